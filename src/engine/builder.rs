@@ -1,0 +1,131 @@
+//! Building an engine: mode, workers and backpressure, from code or environment.
+
+use super::{Config, Engine};
+use crate::error::{Error, Result};
+
+/// When recorded nodes run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Nodes wait until something demands them: a blocker, `wait_all`, or the
+    /// backpressure high mark. A flush sees the whole subgraph it needs.
+    Lazy,
+    /// Every node is demanded when it is recorded (MXNet's default engine).
+    Async,
+    /// Every call completes before it returns (MXNet's NaiveEngine): for
+    /// debugging, errors appear at the call site.
+    Sync,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Mode> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "lazy" => Ok(Mode::Lazy),
+            "async" => Ok(Mode::Async),
+            "sync" => Ok(Mode::Sync),
+            other => Err(Error::Config(format!(
+                "LAZYFLOW_MODE={other:?}: expected lazy, async or sync"
+            ))),
+        }
+    }
+}
+
+/// Default backpressure high mark (recorded, unfinished nodes).
+pub const DEFAULT_HIGH_WATERMARK: usize = 16_384;
+
+/// Configures an [`Engine`]. Values set here win over the environment
+/// (`LAZYFLOW_MODE=lazy|async|sync`, `LAZYFLOW_WORKERS=N`), which wins over the
+/// defaults (Lazy, one worker per available core, backpressure at
+/// [`DEFAULT_HIGH_WATERMARK`] down to half of it).
+///
+/// ```
+/// use lazyflow::{Engine, Mode};
+/// let engine = Engine::builder()
+///     .mode(Mode::Async)
+///     .workers(2)
+///     .backpressure(1024, 512)
+///     .build()
+///     .unwrap();
+/// assert_eq!(engine.mode(), Mode::Async);
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct EngineBuilder {
+    mode: Option<Mode>,
+    workers: Option<usize>,
+    watermarks: Option<(usize, usize)>,
+    ignore_env: bool,
+}
+
+impl EngineBuilder {
+    pub(crate) fn defaults_only() -> Self {
+        EngineBuilder {
+            ignore_env: true,
+            ..Default::default()
+        }
+    }
+
+    /// Sets the execution mode.
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.mode = Some(mode);
+        self
+    }
+
+    /// Sets the number of worker threads (at least 1).
+    pub fn workers(mut self, n: usize) -> Self {
+        self.workers = Some(n);
+        self
+    }
+
+    /// Bounds the recorded-but-unfinished nodes: recording stalls at `high` until
+    /// `low` remain (in Lazy mode it first flushes everything recorded).
+    pub fn backpressure(mut self, high: usize, low: usize) -> Self {
+        self.watermarks = Some((high, low));
+        self
+    }
+
+    /// Turns backpressure off: the frontend may run arbitrarily far ahead.
+    pub fn unbounded(mut self) -> Self {
+        self.watermarks = Some((usize::MAX, usize::MAX));
+        self
+    }
+
+    /// Starts the engine's worker threads.
+    pub fn build(self) -> Result<Engine> {
+        let env = |key: &str| {
+            if self.ignore_env {
+                None
+            } else {
+                std::env::var(key).ok().filter(|v| !v.trim().is_empty())
+            }
+        };
+        let mode = match (self.mode, env("LAZYFLOW_MODE")) {
+            (Some(m), _) => m,
+            (None, Some(v)) => v.parse()?,
+            (None, None) => Mode::Lazy,
+        };
+        let workers = match (self.workers, env("LAZYFLOW_WORKERS")) {
+            (Some(n), _) => n,
+            (None, Some(v)) => v.trim().parse().map_err(|_| {
+                Error::Config(format!("LAZYFLOW_WORKERS={v:?}: expected a positive integer"))
+            })?,
+            (None, None) => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        };
+        if workers == 0 {
+            return Err(Error::Config("an engine needs at least one worker".into()));
+        }
+        let (high, low) = self
+            .watermarks
+            .unwrap_or((DEFAULT_HIGH_WATERMARK, DEFAULT_HIGH_WATERMARK / 2));
+        if high == 0 || low > high {
+            return Err(Error::Config(format!(
+                "backpressure watermarks must satisfy 0 <= low <= high, 0 < high (got high {high}, low {low})"
+            )));
+        }
+        Ok(Engine::start(Config {
+            mode,
+            workers,
+            high,
+            low,
+        }))
+    }
+}

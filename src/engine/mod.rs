@@ -1,0 +1,454 @@
+//! The engine: owns the live graph (behind its one lock), the worker pool and the
+//! counters; records nodes, flushes the subgraphs that blockers need, and applies
+//! backpressure.
+//!
+//! State is grouped by who touches it:
+//! - `state` — behind the one lock: the graph, and who is waiting for what.
+//! - `injector`, `stealers`, `sleep` — reachable from every worker, lock-free.
+//! - `config`, `id` — shared read-only.
+//! - `counters` — relaxed atomics, read only for statistics.
+
+mod builder;
+mod stats;
+
+pub use builder::{EngineBuilder, Mode};
+pub use stats::Stats;
+pub(crate) use stats::Counters;
+
+use crate::error::{Error, Location, Result};
+use crate::graph::{Graph, NodeId, NodeMeta, Outcome, VarId};
+use crate::sched::{self, sleep::Sleep, Task, Work};
+use crate::sync::{lock, Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
+use crossbeam_deque::{Injector, Stealer};
+use smallvec::SmallVec;
+use std::sync::OnceLock;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// A handle to an engine: cheap to clone, `Send + Sync`; the engine shuts down when
+/// the last handle (including those inside Vars and Tensors) is dropped.
+///
+/// ```
+/// use lazyflow::Engine;
+/// let engine = Engine::builder().workers(2).build().unwrap();
+/// let x = engine.var(1u64);
+/// let mut task = engine.task("double");
+/// let w = task.write(&x);
+/// task.run(move || *w.write() *= 2).unwrap();
+/// assert_eq!(x.get().unwrap(), 2);
+/// ```
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<EngineInner>,
+}
+
+struct EngineInner {
+    shared: Arc<Shared>,
+    threads: std::sync::Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// Execution settings fixed when the engine is built.
+#[derive(Clone, Debug)]
+pub(crate) struct Config {
+    pub(crate) mode: Mode,
+    pub(crate) workers: usize,
+    /// Backpressure: recording stalls at `high` live nodes until `low` remain.
+    pub(crate) high: usize,
+    pub(crate) low: usize,
+}
+
+/// What the lock protects.
+pub(crate) struct Locked {
+    pub(crate) graph: Graph<Task>,
+    /// Threads inside `wait_all`.
+    all_waiters: usize,
+    /// Frontend threads stalled by backpressure.
+    bp_waiters: usize,
+    peak_live: usize,
+}
+
+/// Everything the workers and the handles share.
+pub(crate) struct Shared {
+    pub(crate) id: u64,
+    pub(crate) config: Config,
+    pub(crate) state: Mutex<Locked>,
+    /// Signalled when a waited-for node completes, when the graph empties under
+    /// `wait_all`, and when it drains to the low mark under backpressure.
+    changed: Condvar,
+    pub(crate) injector: Injector<Work>,
+    pub(crate) stealers: Vec<Stealer<Work>>,
+    pub(crate) sleep: Sleep,
+    /// Release in `EngineInner::drop`, Acquire in the worker loop.
+    pub(crate) shutdown: AtomicBool,
+    pub(crate) counters: Arc<Counters>,
+}
+
+static NEXT_ENGINE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+impl Engine {
+    /// A builder with defaults taken from the environment (`LAZYFLOW_MODE`,
+    /// `LAZYFLOW_WORKERS`) where set.
+    pub fn builder() -> EngineBuilder {
+        EngineBuilder::default()
+    }
+
+    /// The process-wide default engine, created on first use from the environment.
+    /// An invalid environment setting is reported on stderr once and the defaults
+    /// are used instead.
+    pub fn global() -> &'static Engine {
+        static GLOBAL: OnceLock<Engine> = OnceLock::new();
+        GLOBAL.get_or_init(|| match Engine::builder().build() {
+            Ok(e) => e,
+            Err(err) => {
+                eprintln!("lazyflow: {err}; using default settings");
+                EngineBuilder::defaults_only()
+                    .build()
+                    .expect("default configuration is valid")
+            }
+        })
+    }
+
+    pub(crate) fn start(config: Config) -> Engine {
+        let locals: Vec<_> = (0..config.workers)
+            .map(|_| crossbeam_deque::Worker::new_lifo())
+            .collect();
+        let shared = Arc::new(Shared {
+            id: NEXT_ENGINE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            stealers: locals.iter().map(|l| l.stealer()).collect(),
+            config,
+            state: Mutex::new(Locked {
+                graph: Graph::default(),
+                all_waiters: 0,
+                bp_waiters: 0,
+                peak_live: 0,
+            }),
+            changed: Condvar::new(),
+            injector: Injector::new(),
+            sleep: Sleep::new(),
+            shutdown: AtomicBool::new(false),
+            counters: Arc::new(Counters::default()),
+        });
+        let threads = locals
+            .into_iter()
+            .enumerate()
+            .map(|(i, local)| {
+                let shared = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("lazyflow-worker-{i}"))
+                    .spawn(move || sched::worker_main(shared, local))
+                    .expect("spawning a worker thread")
+            })
+            .collect();
+        Engine {
+            inner: Arc::new(EngineInner {
+                shared,
+                threads: std::sync::Mutex::new(threads),
+            }),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn shared(&self) -> &Shared {
+        &self.inner.shared
+    }
+
+    pub(crate) fn counters(&self) -> &Arc<Counters> {
+        &self.inner.shared.counters
+    }
+
+    /// Whether two handles refer to the same engine.
+    pub fn same(&self, other: &Engine) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// The execution mode this engine was built with.
+    pub fn mode(&self) -> Mode {
+        self.shared().config.mode
+    }
+
+    /// Number of worker threads.
+    pub fn workers(&self) -> usize {
+        self.shared().config.workers
+    }
+
+    /// The global barrier: demands every recorded node and waits until none is left
+    /// unfinished. Failures are not reported here but by blockers on the values
+    /// they poisoned. Called inside a task it returns [`Error::WouldDeadlock`],
+    /// since that task itself is unfinished.
+    pub fn wait_all(&self) -> Result<()> {
+        self.counters().blocker(false);
+        self.shared().wait_all()
+    }
+
+    /// A snapshot of the engine's counters.
+    pub fn stats(&self) -> Stats {
+        let shared = self.shared();
+        let st = lock(&shared.state);
+        shared
+            .counters
+            .snapshot(st.graph.live_nodes(), st.peak_live, st.graph.tracked_vars())
+    }
+
+    /// Resets the peak of live nodes reported by [`Engine::stats`] to the current
+    /// count.
+    pub fn reset_peak(&self) {
+        let mut st = lock(&self.shared().state);
+        st.peak_live = st.graph.live_nodes();
+    }
+
+    /// The live graph (recorded, unfinished nodes) in Graphviz DOT. Demanded nodes
+    /// are bold.
+    ///
+    /// ```
+    /// use lazyflow::{Engine, Mode};
+    /// let engine = Engine::builder().mode(Mode::Lazy).build().unwrap();
+    /// let x = engine.var(0u32);
+    /// let mut t = engine.task("bump");
+    /// let w = t.write(&x);
+    /// t.push(move || *w.write() += 1).unwrap();
+    /// assert!(engine.to_dot().contains("bump"));
+    /// ```
+    pub fn to_dot(&self) -> String {
+        lock(&self.shared().state).graph.analysis().to_dot()
+    }
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("id", &self.shared().id)
+            .field("mode", &self.mode())
+            .field("workers", &self.workers())
+            .finish()
+    }
+}
+
+impl Drop for EngineInner {
+    fn drop(&mut self) {
+        let shared = &self.shared;
+        let on_worker = sched::on_worker_of(shared.id);
+        if !on_worker {
+            // Recorded work still runs: user tasks may have effects beyond the
+            // values they write.
+            let _ = shared.wait_all();
+        }
+        shared.shutdown.store(true, Ordering::Release);
+        shared.sleep.wake_all();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
+        if !on_worker {
+            for t in threads {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Records one node. In Async and Sync modes it is demanded at once; Sync also
+    /// waits for it. Stalls at the backpressure high mark (frontend threads only).
+    pub(crate) fn record(
+        &self,
+        meta: NodeMeta,
+        reads: &[VarId],
+        writes: &[VarId],
+        task: Task,
+    ) -> NodeId {
+        let on_worker = sched::on_worker_of(self.id);
+        let mut pushed = 0;
+        let mut st = lock(&self.state);
+        if st.graph.live_nodes() >= self.config.high && !on_worker {
+            st = self.backpressure(st);
+        }
+        let id = st.graph.record(meta, reads, writes, task);
+        let live = st.graph.live_nodes();
+        if live > st.peak_live {
+            st.peak_live = live;
+        }
+        if self.config.mode != Mode::Lazy {
+            st.graph.demand(&[id], &mut |r| {
+                sched::publish(self, r);
+                pushed += 1;
+            });
+        }
+        drop(st);
+        self.counters.recorded.fetch_add(1, Ordering::Relaxed);
+        self.sleep.wake(pushed);
+        if self.config.mode == Mode::Sync {
+            // The node's failure, if any, is reported by the caller through the
+            // values it wrote or its task handle.
+            let _ = self.wait_for(|_| SmallVec::from_slice(&[id]));
+        }
+        id
+    }
+
+    #[cold]
+    fn backpressure<'a>(&'a self, mut st: MutexGuard<'a, Locked>) -> MutexGuard<'a, Locked> {
+        self.counters.backpressure_stalls.fetch_add(1, Ordering::Relaxed);
+        if self.config.mode == Mode::Lazy {
+            let mut pushed = 0;
+            st.graph.demand_all(&mut |r| {
+                sched::publish(self, r);
+                pushed += 1;
+            });
+            self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+            self.sleep.wake(pushed);
+        }
+        st.bp_waiters += 1;
+        while st.graph.live_nodes() > self.config.low {
+            st = wait(&self.changed, st);
+        }
+        st.bp_waiters -= 1;
+        st
+    }
+
+    /// Removes a finished node and returns the first dependent it made ready (to be
+    /// run next by the same thread); other ready dependents go to the queues.
+    pub(crate) fn complete(
+        &self,
+        node: NodeId,
+        (outcome, status): (Outcome, Option<Arc<crate::task::TaskStatus>>),
+    ) -> Option<Work> {
+        match &outcome {
+            Outcome::Done => {}
+            Outcome::Failed(_) => {
+                self.counters.failed.fetch_add(1, Ordering::Relaxed);
+            }
+            Outcome::Skipped(_) => {
+                self.counters.skipped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let mut next = None;
+        let mut pushed = 0;
+        let (notify, err) = {
+            let mut st = lock(&self.state);
+            let (waited, err) = st.graph.complete(node, outcome, &mut |r| {
+                if next.is_none() {
+                    next = Some(r);
+                } else {
+                    sched::publish(self, r);
+                    pushed += 1;
+                }
+            });
+            let live = st.graph.live_nodes();
+            let notify = waited
+                || (st.all_waiters > 0 && live == 0)
+                || (st.bp_waiters > 0 && live <= self.config.low);
+            (notify, err)
+        };
+        self.counters.completed.fetch_add(1, Ordering::Relaxed);
+        sched::report(status, err);
+        if notify {
+            self.changed.notify_all();
+        }
+        self.sleep.wake(pushed);
+        next
+    }
+
+    /// Whether any queue holds work (checked by a worker before it parks).
+    pub(crate) fn has_queued_work(&self) -> bool {
+        !self.injector.is_empty() || self.stealers.iter().any(|s| !s.is_empty())
+    }
+
+    /// The targeted flush: demands the nodes `targets` picks (and their ancestors,
+    /// nothing else) and waits until they finished. On a worker thread it runs other
+    /// work while it waits, and refuses to wait for the task it is running.
+    pub(crate) fn wait_for(
+        &self,
+        targets: impl FnOnce(&Graph<Task>) -> SmallVec<[NodeId; 4]>,
+    ) -> Result<()> {
+        let mut st = lock(&self.state);
+        let roots = targets(&st.graph);
+        if roots.is_empty() {
+            return Ok(());
+        }
+        let on_worker = sched::on_worker_of(self.id);
+        if on_worker {
+            if let Some(current) = sched::current_node() {
+                if st.graph.analysis().is_ancestor(current, &roots) {
+                    let meta = st.graph.meta(current);
+                    return Err(deadlock_error(meta));
+                }
+            }
+        }
+        let mut pushed = 0;
+        st.graph.demand(&roots, &mut |r| {
+            sched::publish(self, r);
+            pushed += 1;
+        });
+        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        for &r in &roots {
+            st.graph.set_waited(r);
+        }
+        self.sleep.wake(pushed);
+        let done = |g: &Graph<Task>| roots.iter().all(|r| !g.is_live(*r));
+        if on_worker {
+            drop(st);
+            self.help_until(done);
+            return Ok(());
+        }
+        while !done(&st.graph) {
+            st = wait(&self.changed, st);
+        }
+        Ok(())
+    }
+
+    /// Demands everything and waits until the graph is empty.
+    pub(crate) fn wait_all(&self) -> Result<()> {
+        if sched::on_worker_of(self.id) {
+            if let Some(current) = sched::current_node() {
+                let meta = lock(&self.state).graph.meta(current);
+                return Err(deadlock_error(meta));
+            }
+        }
+        let mut st = lock(&self.state);
+        let mut pushed = 0;
+        st.graph.demand_all(&mut |r| {
+            sched::publish(self, r);
+            pushed += 1;
+        });
+        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        self.sleep.wake(pushed);
+        st.all_waiters += 1;
+        while st.graph.live_nodes() > 0 {
+            st = wait(&self.changed, st);
+        }
+        st.all_waiters -= 1;
+        Ok(())
+    }
+
+    /// A worker blocked inside a task keeps the pool going: it runs queued work
+    /// until `done` holds, and naps briefly when there is none (the work it waits
+    /// for may be running on another thread).
+    #[cold]
+    fn help_until(&self, done: impl Fn(&Graph<Task>) -> bool) {
+        loop {
+            if done(&lock(&self.state).graph) {
+                return;
+            }
+            if let Some(work) = sched::find_work(self) {
+                sched::run_chain(self, work);
+                continue;
+            }
+            let st = lock(&self.state);
+            if done(&st.graph) {
+                return;
+            }
+            let _ = self.changed.wait_timeout(st, Duration::from_micros(200));
+        }
+    }
+}
+
+fn deadlock_error(meta: Option<NodeMeta>) -> Error {
+    let (op, location) = match meta {
+        Some(m) => (m.name.to_string(), m.location),
+        None => ("<unknown>".to_string(), Location::caller()),
+    };
+    Error::WouldDeadlock { op, location }
+}
+
+fn wait<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    match cv.wait(guard) {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}

@@ -1,0 +1,75 @@
+//! Engine counters: relaxed atomics bumped on the hot paths, read as a snapshot.
+
+use crate::sync::{AtomicU64, AtomicUsize, Ordering};
+
+/// What the engine has done so far; see [`crate::Engine::stats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Nodes recorded.
+    pub recorded: u64,
+    /// Nodes finished (ran, failed or skipped).
+    pub completed: u64,
+    /// Nodes that ran and failed.
+    pub failed: u64,
+    /// Nodes skipped because an input was poisoned by a failure.
+    pub skipped: u64,
+    /// Flushes: targeted (blockers), global (`wait_all`) and backpressure.
+    pub flushes: u64,
+    /// Explicit blockers (`wait_to_read`, `wait_all`, task `wait`).
+    pub blockers: u64,
+    /// Implicit blockers (`to_vec`, `item`, `get`, printing).
+    pub implicit_blockers: u64,
+    /// Times recording stalled at the backpressure high mark.
+    pub backpressure_stalls: u64,
+    /// Recorded nodes not yet finished.
+    pub live_nodes: usize,
+    /// Highest `live_nodes` seen since the start or [`crate::Engine::reset_peak`].
+    pub peak_live_nodes: usize,
+    /// Vars whose data is still allocated (handles or pending accesses left).
+    pub live_vars: usize,
+    /// Vars with handles left (that new nodes can still name).
+    pub tracked_vars: usize,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) recorded: AtomicU64,
+    pub(crate) completed: AtomicU64,
+    pub(crate) failed: AtomicU64,
+    pub(crate) skipped: AtomicU64,
+    pub(crate) flushes: AtomicU64,
+    pub(crate) blockers: AtomicU64,
+    pub(crate) implicit_blockers: AtomicU64,
+    pub(crate) backpressure_stalls: AtomicU64,
+    pub(crate) live_vars: AtomicUsize,
+}
+
+impl Counters {
+    #[inline]
+    pub(crate) fn blocker(&self, implicit: bool) {
+        let c = if implicit {
+            &self.implicit_blockers
+        } else {
+            &self.blockers
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self, live_nodes: usize, peak: usize, tracked_vars: usize) -> Stats {
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        Stats {
+            recorded: r(&self.recorded),
+            completed: r(&self.completed),
+            failed: r(&self.failed),
+            skipped: r(&self.skipped),
+            flushes: r(&self.flushes),
+            blockers: r(&self.blockers),
+            implicit_blockers: r(&self.implicit_blockers),
+            backpressure_stalls: r(&self.backpressure_stalls),
+            live_nodes,
+            peak_live_nodes: peak,
+            live_vars: self.live_vars.load(Ordering::Relaxed),
+            tracked_vars,
+        }
+    }
+}

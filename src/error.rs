@@ -1,0 +1,141 @@
+//! The one error type of the crate, and where in the frontend an op was recorded.
+
+use std::fmt;
+use std::sync::Arc;
+
+/// Where the frontend recorded an op: the caller of the public function, captured
+/// with `#[track_caller]`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Location(&'static std::panic::Location<'static>);
+
+impl Location {
+    /// The location of the caller of the (`#[track_caller]`) function that calls this.
+    #[track_caller]
+    #[inline]
+    pub fn caller() -> Self {
+        Location(std::panic::Location::caller())
+    }
+
+    /// Source file of the recording call.
+    pub fn file(&self) -> &'static str {
+        self.0.file()
+    }
+
+    /// Line of the recording call.
+    pub fn line(&self) -> u32 {
+        self.0.line()
+    }
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}", self.0.file(), self.0.line(), self.0.column())
+    }
+}
+
+impl fmt::Debug for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+/// Everything that can go wrong in lazyflow.
+///
+/// Record-time validation returns the variants that describe bad input at once;
+/// failures while running come back from the next blocker on an affected value as
+/// [`Error::Failed`], naming the op that failed and where it was recorded.
+///
+/// ```
+/// use lazyflow::{Engine, Tensor};
+/// let engine = Engine::builder().workers(1).build();
+/// let a = Tensor::zeros_in(&engine, [2, 3]);
+/// let b = Tensor::zeros_in(&engine, [4]);
+/// let err = a.add(&b).unwrap_err();
+/// assert!(err.to_string().contains("add"));
+/// assert!(err.to_string().contains("[2, 3]"));
+/// ```
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// Shapes that the op cannot combine.
+    #[error("{op}: incompatible shapes {shapes} (recorded at {location}): {reason}")]
+    Shape {
+        /// The op that was being recorded.
+        op: &'static str,
+        /// The shapes involved, formatted as `[2, 3] and [4]`.
+        shapes: String,
+        /// Why they do not fit.
+        reason: String,
+        /// Where the frontend recorded the op.
+        location: Location,
+    },
+    /// An argument out of range (an axis, an index, a length).
+    #[error("{op}: {reason} (shape {shape}, recorded at {location})")]
+    InvalidArgument {
+        /// The op that was being recorded.
+        op: &'static str,
+        /// The shape of the input the argument refers to.
+        shape: String,
+        /// What is wrong.
+        reason: String,
+        /// Where the frontend recorded the op.
+        location: Location,
+    },
+    /// Operands live on different devices.
+    #[error("{op}: operands on different devices ({devices}) (recorded at {location})")]
+    DeviceMismatch {
+        /// The op that was being recorded.
+        op: &'static str,
+        /// The devices involved.
+        devices: String,
+        /// Where the frontend recorded the op.
+        location: Location,
+    },
+    /// Values from two different engines were combined in one op.
+    #[error("{op}: operands belong to different engines (recorded at {location})")]
+    EngineMismatch {
+        /// The op that was being recorded.
+        op: &'static str,
+        /// Where the frontend recorded the op.
+        location: Location,
+    },
+    /// An op failed while running (a panicking task, a kernel error), or depended on
+    /// a value that such an op should have produced.
+    #[error("{op} (recorded at {location}) failed: {message}")]
+    Failed {
+        /// The op that failed first.
+        op: String,
+        /// Where the frontend recorded the op that failed.
+        location: Location,
+        /// What went wrong: the panic message or the kernel's error.
+        message: String,
+    },
+    /// A blocker inside a running task waited on a value that needs that same task.
+    #[error("wait inside task {op} (recorded at {location}) would wait on its own output")]
+    WouldDeadlock {
+        /// The running task.
+        op: String,
+        /// Where that task was recorded.
+        location: Location,
+    },
+    /// The engine configuration (builder or environment) is invalid.
+    #[error("invalid engine configuration: {0}")]
+    Config(String),
+    /// A blocker found a value whose producer was dropped before it ran.
+    #[error("value was never computed: its producer {op} (recorded at {location}) was discarded")]
+    Discarded {
+        /// The discarded op.
+        op: String,
+        /// Where it was recorded.
+        location: Location,
+    },
+}
+
+/// `Result` with lazyflow's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A failure shared by every value it poisons.
+pub(crate) type SharedError = Arc<Error>;
+
+pub(crate) fn shapes_list(shapes: &[&[usize]]) -> String {
+    shapes.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(" and ")
+}

@@ -1,0 +1,190 @@
+//! The worker pool: threads that take ready nodes from crossbeam-deque queues and
+//! run them, then release their dependents. See `README.md` beside this file for
+//! the sleep/wake protocol and for how blockers inside tasks help instead of
+//! deadlocking.
+//!
+//! Queues: one global `Injector` (fed by the frontend: flushes, Async/Sync records)
+//! and one LIFO `Worker` deque per thread (fed by completions), whose `Stealer`s the
+//! other threads raid when idle. A completion keeps the first dependent it makes
+//! ready in a local "next" slot and runs it at once without touching any queue, so a
+//! chain runs on one thread without wake-ups.
+
+pub(crate) mod sleep;
+
+use crate::engine::Shared;
+use crate::error::SharedError;
+use crate::graph::{NodeId, Outcome, Ready};
+use crate::sync::{Arc, Ordering};
+use crossbeam_deque::{Steal, Worker};
+use std::cell::{Cell, RefCell};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// What a node does when it runs, plus where to report how it ended.
+pub(crate) struct Task {
+    pub(crate) run: Box<dyn FnOnce() -> Result<(), String> + Send>,
+    pub(crate) status: Option<Arc<crate::task::TaskStatus>>,
+}
+
+/// A ready node on its way to a worker.
+pub(crate) type Work = Ready<Task>;
+
+struct WorkerCtx {
+    engine: u64,
+    local: Worker<Work>,
+}
+
+thread_local! {
+    /// Set on worker threads for their whole life.
+    static WORKER: RefCell<Option<WorkerCtx>> = const { RefCell::new(None) };
+    /// The node this thread is running, if any (for deadlock checks in blockers).
+    static CURRENT: Cell<Option<NodeId>> = const { Cell::new(None) };
+}
+
+/// Whether the calling thread is one of `engine`'s workers.
+#[inline]
+pub(crate) fn on_worker_of(engine: u64) -> bool {
+    WORKER.with(|w| matches!(&*w.borrow(), Some(c) if c.engine == engine))
+}
+
+/// The node the calling thread is running, if it is inside a task.
+pub(crate) fn current_node() -> Option<NodeId> {
+    CURRENT.with(|c| c.get())
+}
+
+/// Publishes ready work from any thread: onto this worker's own deque when called
+/// on a worker of the same engine, onto the global injector otherwise.
+pub(crate) fn publish(shared: &Shared, work: Work) {
+    let work = WORKER.with(|w| match &*w.borrow() {
+        Some(c) if c.engine == shared.id => {
+            c.local.push(work);
+            None
+        }
+        _ => Some(work),
+    });
+    if let Some(work) = work {
+        shared.injector.push(work);
+    }
+}
+
+/// The body of a worker thread.
+pub(crate) fn worker_main(shared: Arc<Shared>, local: Worker<Work>) {
+    WORKER.with(|w| {
+        *w.borrow_mut() = Some(WorkerCtx {
+            engine: shared.id,
+            local,
+        })
+    });
+    let mut idle_rounds = 0u32;
+    loop {
+        if let Some(work) = find_work(&shared) {
+            idle_rounds = 0;
+            run_chain(&shared, work);
+            continue;
+        }
+        if shared.shutdown.load(Ordering::Acquire) {
+            break;
+        }
+        // Spin briefly before parking: a frontend recording one node at a time
+        // (Async mode) hands out work every few hundred nanoseconds, and a futex
+        // round trip per node would cost more than the node.
+        idle_rounds += 1;
+        if idle_rounds < 64 {
+            std::hint::spin_loop();
+            continue;
+        }
+        if idle_rounds < 96 {
+            std::thread::yield_now();
+            continue;
+        }
+        shared
+            .sleep
+            .sleep(|| shared.has_queued_work() || shared.shutdown.load(Ordering::Acquire));
+        idle_rounds = 0;
+    }
+    WORKER.with(|w| w.borrow_mut().take());
+}
+
+/// Takes one piece of work: own deque first, then the injector, then the others.
+pub(crate) fn find_work(shared: &Shared) -> Option<Work> {
+    WORKER.with(|w| {
+        let ctx = w.borrow();
+        let local = ctx.as_ref().filter(|c| c.engine == shared.id).map(|c| &c.local);
+        if let Some(work) = local.and_then(|l| l.pop()) {
+            return Some(work);
+        }
+        loop {
+            let mut retry = false;
+            let stolen = match local {
+                Some(l) => shared.injector.steal_batch_and_pop(l),
+                None => shared.injector.steal(),
+            };
+            match stolen {
+                Steal::Success(w) => return Some(w),
+                Steal::Retry => retry = true,
+                Steal::Empty => {}
+            }
+            for s in shared.stealers.iter() {
+                match s.steal() {
+                    Steal::Success(w) => return Some(w),
+                    Steal::Retry => retry = true,
+                    Steal::Empty => {}
+                }
+            }
+            if !retry {
+                return None;
+            }
+        }
+    })
+}
+
+/// Runs `work` and then, for as long as completions hand back a next node, that one.
+pub(crate) fn run_chain(shared: &Shared, mut work: Work) {
+    loop {
+        let node = work.node;
+        let outcome = execute(work);
+        match shared.complete(node, outcome) {
+            Some(next) => work = next,
+            None => return,
+        }
+    }
+}
+
+fn execute(work: Work) -> (Outcome, Option<Arc<crate::task::TaskStatus>>) {
+    let Ready { node, job, skip } = work;
+    let Task { run, status } = job;
+    if let Some(err) = skip {
+        drop(run);
+        return (Outcome::Skipped(err), status);
+    }
+    let outer = CURRENT.with(|c| c.replace(Some(node)));
+    let result = catch_unwind(AssertUnwindSafe(run));
+    CURRENT.with(|c| c.set(outer));
+    let outcome = match result {
+        Ok(Ok(())) => Outcome::Done,
+        Ok(Err(message)) => Outcome::Failed(message),
+        Err(payload) => {
+            let message = panic_message(payload.as_ref());
+            // Dropping a panic payload can itself panic; never let that escape.
+            let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
+            Outcome::Failed(message)
+        }
+    };
+    (outcome, status)
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        format!("panicked: {s}")
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        format!("panicked: {s}")
+    } else {
+        "panicked".to_string()
+    }
+}
+
+/// Reports a finished node's status to its handle, if it has one.
+pub(crate) fn report(status: Option<Arc<crate::task::TaskStatus>>, err: Option<SharedError>) {
+    if let Some(s) = status {
+        s.finish(err);
+    }
+}
