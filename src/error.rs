@@ -47,7 +47,7 @@ impl fmt::Debug for Location {
 ///
 /// ```
 /// use lazyflow::{Engine, Tensor};
-/// let engine = Engine::builder().workers(1).build();
+/// let engine = Engine::builder().workers(1).build().unwrap();
 /// let a = Tensor::zeros_in(&engine, [2, 3]);
 /// let b = Tensor::zeros_in(&engine, [4]);
 /// let err = a.add(&b).unwrap_err();
@@ -137,5 +137,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub(crate) type SharedError = Arc<Error>;
 
 pub(crate) fn shapes_list(shapes: &[&[usize]]) -> String {
-    shapes.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(" and ")
+    shapes
+        .iter()
+        .map(|s| format!("{s:?}"))
+        .collect::<Vec<_>>()
+        .join(" and ")
 }

@@ -1,14 +1,48 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! # lazyflow
+//!
+//! An asynchronous dependency engine in the spirit of MXNet's (as taught in *Dive
+//! into Deep Learning*, chapter 13): frontend calls record nodes into a dependency
+//! DAG and return at once; a work-stealing pool runs them when something needs
+//! their results.
+//!
+//! - Dependencies come from data access: every node declares the [`Var`]s it reads
+//!   and writes, and runs after exactly the earlier accesses it conflicts with.
+//! - Reading a value ([`Var::wait_to_read`], [`Tensor::to_vec`], [`Tensor::item`],
+//!   printing a tensor) is a *blocker*: it runs only the subgraph that value needs.
+//!   [`Engine::wait_all`] is the global barrier.
+//! - [`Mode::Lazy`] (default) runs nodes only when demanded; [`Mode::Async`]
+//!   demands each node as it is recorded; [`Mode::Sync`] finishes each call before
+//!   it returns. `LAZYFLOW_MODE=lazy|async|sync` picks one from the environment.
+//! - When the frontend runs ahead, recording stalls at a bound on unfinished nodes
+//!   (backpressure), so memory stays bounded.
+//! - A failing node poisons what it writes; dependents are skipped, other work goes
+//!   on, and the next blocker on an affected value returns the error, naming the
+//!   op and where it was recorded.
+//!
+//! ```
+//! use lazyflow::{Engine, Tensor};
+//! let engine = Engine::builder().workers(2).build().unwrap();
+//! let x = Tensor::arange_in(&engine, 0.0, 6.0, 1.0).reshape([2, 3]).unwrap();
+//! let w = Tensor::ones_in(&engine, [3, 2]);
+//! let y = (x.matmul(&w).unwrap() + 1.0).relu();
+//! assert_eq!(y.to_vec().unwrap(), vec![4.0, 4.0, 13.0, 13.0]);
+//! ```
+#![deny(missing_docs, unsafe_op_in_unsafe_fn)]
+#![forbid(unsafe_code)]
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod device;
+mod engine;
+mod error;
+mod graph;
+mod sched;
+mod sync;
+mod task;
+pub mod tensor;
+mod var;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use device::Device;
+pub use engine::{Engine, EngineBuilder, Mode, Stats, DEFAULT_HIGH_WATERMARK};
+pub use error::{Error, Location, Result};
+pub use task::{TaskBuilder, TaskHandle};
+pub use tensor::{Shape, Tensor};
+pub use var::{Read, Var, Write};

@@ -106,7 +106,9 @@ impl EngineBuilder {
         let workers = match (self.workers, env("LAZYFLOW_WORKERS")) {
             (Some(n), _) => n,
             (None, Some(v)) => v.trim().parse().map_err(|_| {
-                Error::Config(format!("LAZYFLOW_WORKERS={v:?}: expected a positive integer"))
+                Error::Config(format!(
+                    "LAZYFLOW_WORKERS={v:?}: expected a positive integer"
+                ))
             })?,
             (None, None) => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };

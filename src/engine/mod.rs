@@ -11,9 +11,9 @@
 mod builder;
 mod stats;
 
-pub use builder::{EngineBuilder, Mode};
-pub use stats::Stats;
+pub use builder::{EngineBuilder, Mode, DEFAULT_HIGH_WATERMARK};
 pub(crate) use stats::Counters;
+pub use stats::Stats;
 
 use crate::error::{Error, Location, Result};
 use crate::graph::{Graph, NodeId, NodeMeta, Outcome, VarId};
@@ -283,7 +283,9 @@ impl Shared {
 
     #[cold]
     fn backpressure<'a>(&'a self, mut st: MutexGuard<'a, Locked>) -> MutexGuard<'a, Locked> {
-        self.counters.backpressure_stalls.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .backpressure_stalls
+            .fetch_add(1, Ordering::Relaxed);
         if self.config.mode == Mode::Lazy {
             let mut pushed = 0;
             st.graph.demand_all(&mut |r| {
@@ -319,7 +321,7 @@ impl Shared {
         }
         let mut next = None;
         let mut pushed = 0;
-        let (notify, err) = {
+        let notify = {
             let mut st = lock(&self.state);
             let (waited, err) = st.graph.complete(node, outcome, &mut |r| {
                 if next.is_none() {
@@ -329,14 +331,15 @@ impl Shared {
                     pushed += 1;
                 }
             });
+            // Under the lock, so a blocker that sees the node gone sees its status.
+            sched::report(status, err);
             let live = st.graph.live_nodes();
             let notify = waited
                 || (st.all_waiters > 0 && live == 0)
                 || (st.bp_waiters > 0 && live <= self.config.low);
-            (notify, err)
+            notify
         };
         self.counters.completed.fetch_add(1, Ordering::Relaxed);
-        sched::report(status, err);
         if notify {
             self.changed.notify_all();
         }

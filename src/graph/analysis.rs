@@ -15,9 +15,7 @@ pub(crate) struct Analysis {
 }
 
 impl Analysis {
-    pub(crate) fn new(
-        nodes: impl Iterator<Item = (NodeId, NodeMeta, bool, Vec<NodeId>)>,
-    ) -> Self {
+    pub(crate) fn new(nodes: impl Iterator<Item = (NodeId, NodeMeta, bool, Vec<NodeId>)>) -> Self {
         let mut dag = DiGraph::new();
         let mut index = HashMap::new();
         let mut edges = Vec::new();

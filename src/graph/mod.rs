@@ -357,7 +357,12 @@ impl<J> Graph<J> {
         let mut out = SmallVec::new();
         if let Some(t) = self.vars.get(var) {
             out.extend(t.last_writer);
-            out.extend(t.readers.iter().copied().filter(|r| self.nodes.contains_key(*r)));
+            out.extend(
+                t.readers
+                    .iter()
+                    .copied()
+                    .filter(|r| self.nodes.contains_key(*r)),
+            );
         }
         out
     }
@@ -365,13 +370,6 @@ impl<J> Graph<J> {
     /// The failure that poisons `var`, once its last writer finished.
     pub(crate) fn poison_of(&self, var: VarId) -> Option<SharedError> {
         self.vars.get(var).and_then(|t| t.poison.clone())
-    }
-
-    /// Poisons `var` directly (used for values rejected at record time).
-    pub(crate) fn poison_var(&mut self, var: VarId, err: SharedError) {
-        if let Some(t) = self.vars.get_mut(var) {
-            t.poison = Some(err);
-        }
     }
 
     pub(crate) fn analysis(&self) -> Analysis {

@@ -108,7 +108,10 @@ pub(crate) fn worker_main(shared: Arc<Shared>, local: Worker<Work>) {
 pub(crate) fn find_work(shared: &Shared) -> Option<Work> {
     WORKER.with(|w| {
         let ctx = w.borrow();
-        let local = ctx.as_ref().filter(|c| c.engine == shared.id).map(|c| &c.local);
+        let local = ctx
+            .as_ref()
+            .filter(|c| c.engine == shared.id)
+            .map(|c| &c.local);
         if let Some(work) = local.and_then(|l| l.pop()) {
             return Some(work);
         }

@@ -75,7 +75,7 @@ impl Sleep {
 #[cfg(all(test, loom))]
 mod loom_tests {
     use super::Sleep;
-    use crate::sync::{AtomicBool, Arc, Ordering};
+    use crate::sync::{Arc, AtomicBool, Ordering};
 
     /// A worker that finds no work parks; a producer publishes one item and wakes.
     /// In every interleaving the worker ends up seeing the item (no lost wake-up).

@@ -1,0 +1,203 @@
+//! Generic tasks: any CPU closure with declared reads and writes, recorded as a node.
+
+use crate::engine::{Engine, Mode};
+use crate::error::{Error, Location, Result, SharedError};
+use crate::graph::{NodeId, NodeMeta};
+use crate::sched::Task;
+use crate::sync::Arc;
+use crate::var::{Read, Var, VarIds, Write};
+use smallvec::SmallVec;
+use std::fmt::Display;
+use std::sync::OnceLock;
+
+/// Records one task: declare what it reads and writes, then hand it the closure.
+///
+/// Each [`TaskBuilder::read`] / [`TaskBuilder::write`] returns the token the closure
+/// uses to reach the data. The task runs after every earlier conflicting access
+/// (read-after-write, write-after-write, write-after-read) and before every later
+/// one, on a worker thread, when something demands it (see [`Mode`]).
+///
+/// ```
+/// use lazyflow::Engine;
+/// let engine = Engine::builder().workers(2).build().unwrap();
+/// let a = engine.var(vec![1.0f32, 2.0, 3.0]);
+/// let total = engine.var(0.0f32);
+/// let mut t = engine.task("sum");
+/// let (r, w) = (t.read(&a), t.write(&total));
+/// let handle = t.run(move || *w.write() = r.read().iter().sum()).unwrap();
+/// handle.wait().unwrap();
+/// assert_eq!(total.get().unwrap(), 6.0);
+/// ```
+#[must_use = "a task is recorded only by run, try_run or push"]
+pub struct TaskBuilder<'e> {
+    engine: &'e Engine,
+    meta: NodeMeta,
+    reads: VarIds,
+    writes: SmallVec<[crate::graph::VarId; 2]>,
+    mismatch: bool,
+}
+
+/// How a finished task ended, set once under the engine lock before the node
+/// leaves the graph (so a blocker that sees the node gone also sees this).
+pub(crate) struct TaskStatus {
+    done: OnceLock<Option<SharedError>>,
+}
+
+impl TaskStatus {
+    pub(crate) fn finish(&self, err: Option<SharedError>) {
+        let _ = self.done.set(err);
+    }
+}
+
+/// A recorded task that can be waited on.
+#[derive(Clone)]
+pub struct TaskHandle {
+    engine: Engine,
+    node: NodeId,
+    status: Arc<TaskStatus>,
+}
+
+impl std::fmt::Debug for TaskHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskHandle")
+            .field("node", &self.node)
+            .field("finished", &self.is_finished())
+            .finish()
+    }
+}
+
+impl TaskHandle {
+    /// Explicit blocker: runs this task's ancestors and the task, waits for it and
+    /// returns its failure (or the failure that made it skip) if any.
+    pub fn wait(&self) -> Result<()> {
+        self.engine.counters().blocker(false);
+        let node = self.node;
+        self.engine.shared().wait_for(|g| {
+            if g.is_live(node) {
+                SmallVec::from_slice(&[node])
+            } else {
+                SmallVec::new()
+            }
+        })?;
+        match self.status.done.get() {
+            Some(None) => Ok(()),
+            Some(Some(err)) => Err((**err).clone()),
+            // Unreachable: the status is set before the node leaves the graph.
+            None => Err(Error::Config("task status missing after completion".into())),
+        }
+    }
+
+    /// Whether the task has finished (ran, failed or was skipped).
+    pub fn is_finished(&self) -> bool {
+        self.status.done.get().is_some()
+    }
+}
+
+impl Engine {
+    /// Starts recording a task named `name` (used in errors and DOT export) at the
+    /// caller's location.
+    #[track_caller]
+    pub fn task(&self, name: &'static str) -> TaskBuilder<'_> {
+        self.task_at(name, Location::caller())
+    }
+
+    pub(crate) fn task_at(&self, name: &'static str, location: Location) -> TaskBuilder<'_> {
+        TaskBuilder {
+            engine: self,
+            meta: NodeMeta { name, location },
+            reads: SmallVec::new(),
+            writes: SmallVec::new(),
+            mismatch: false,
+        }
+    }
+}
+
+impl<'e> TaskBuilder<'e> {
+    /// Declares a read of `var` and returns the token to read it in the task.
+    pub fn read<T>(&mut self, var: &Var<T>) -> Read<T> {
+        self.check(var);
+        if !self.reads.contains(&var.id()) {
+            self.reads.push(var.id());
+        }
+        var.read_token()
+    }
+
+    /// Declares a write of `var` and returns the token to write it in the task. A
+    /// Var may be both read and written by one task (an in-place update).
+    pub fn write<T>(&mut self, var: &Var<T>) -> Write<T> {
+        self.check(var);
+        if !self.writes.contains(&var.id()) {
+            self.writes.push(var.id());
+        }
+        var.write_token()
+    }
+
+    fn check<T>(&mut self, var: &Var<T>) {
+        if !var.engine().same(self.engine) {
+            self.mismatch = true;
+        }
+    }
+
+    /// Records the task and returns a handle to wait on. In [`Mode::Sync`] the task
+    /// has run when this returns, and its failure is returned here.
+    pub fn run(self, f: impl FnOnce() + Send + 'static) -> Result<TaskHandle> {
+        self.try_run(move || {
+            f();
+            Ok::<(), std::convert::Infallible>(())
+        })
+    }
+
+    /// Like [`TaskBuilder::run`], for a closure that can fail: an `Err` fails the
+    /// node with the error's message, exactly like a panic would.
+    pub fn try_run<E: Display>(
+        self,
+        f: impl FnOnce() -> std::result::Result<(), E> + Send + 'static,
+    ) -> Result<TaskHandle> {
+        let engine = self.engine.clone();
+        let status = Arc::new(TaskStatus {
+            done: OnceLock::new(),
+        });
+        let node = self.record(Task {
+            run: Box::new(move || f().map_err(|e| e.to_string())),
+            status: Some(status.clone()),
+        })?;
+        let handle = TaskHandle {
+            engine,
+            node,
+            status,
+        };
+        if handle.engine.mode() == Mode::Sync {
+            if let Some(Some(err)) = handle.status.done.get() {
+                return Err((**err).clone());
+            }
+        }
+        Ok(handle)
+    }
+
+    /// Records the task without a handle (the cheapest way; failures surface at the
+    /// blockers of the Vars it writes).
+    pub fn push(self, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        self.record(Task {
+            run: Box::new(move || {
+                f();
+                Ok(())
+            }),
+            status: None,
+        })
+        .map(|_| ())
+    }
+
+    #[inline]
+    fn record(self, task: Task) -> Result<NodeId> {
+        if self.mismatch {
+            return Err(Error::EngineMismatch {
+                op: self.meta.name,
+                location: self.meta.location,
+            });
+        }
+        Ok(self
+            .engine
+            .shared()
+            .record(self.meta, &self.reads, &self.writes, task))
+    }
+}

@@ -1,0 +1,838 @@
+//! Tensor ops: record-time validation, then one node per op.
+
+use super::kernels::{self, BinaryOp, ReduceOp, UnaryOp};
+use super::{Shape, Tensor};
+use crate::error::{shapes_list, Error, Location, Result};
+use crate::sync::Arc;
+use std::ops;
+
+fn shape_err(
+    op: &'static str,
+    shapes: &[&Shape],
+    reason: impl Into<String>,
+    location: Location,
+) -> Error {
+    let dims: Vec<&[usize]> = shapes.iter().map(|s| s.dims()).collect();
+    Error::Shape {
+        op,
+        shapes: shapes_list(&dims),
+        reason: reason.into(),
+        location,
+    }
+}
+
+fn arg_err(
+    op: &'static str,
+    shape: &Shape,
+    reason: impl Into<String>,
+    location: Location,
+) -> Error {
+    Error::InvalidArgument {
+        op,
+        shape: shape.to_string(),
+        reason: reason.into(),
+        location,
+    }
+}
+
+fn check_axis(op: &'static str, shape: &Shape, axis: usize, location: Location) -> Result<()> {
+    if axis >= shape.rank() {
+        return Err(arg_err(
+            op,
+            shape,
+            format!("axis {axis} out of range for rank {}", shape.rank()),
+            location,
+        ));
+    }
+    Ok(())
+}
+
+impl Tensor {
+    fn check_device(&self, op: &'static str, others: &[&Tensor], location: Location) -> Result<()> {
+        if others.iter().any(|o| o.device != self.device) {
+            let devices: Vec<String> = std::iter::once(self)
+                .chain(others.iter().copied())
+                .map(|t| t.device.to_string())
+                .collect();
+            return Err(Error::DeviceMismatch {
+                op,
+                devices: devices.join(", "),
+                location,
+            });
+        }
+        Ok(())
+    }
+
+    fn output(&self, shape: Shape) -> Tensor {
+        Tensor {
+            shape,
+            var: self.engine().var(Vec::new()),
+            device: self.device,
+        }
+    }
+
+    /// A tensor whose blockers return `err` (for operators, which cannot return it).
+    fn poisoned(&self, err: Error) -> Tensor {
+        Tensor {
+            shape: self.shape.clone(),
+            var: self.engine().poisoned_var(Vec::new(), Arc::new(err)),
+            device: self.device,
+        }
+    }
+
+    /// Records `out = f(self)`.
+    fn map1(
+        &self,
+        name: &'static str,
+        location: Location,
+        shape: Shape,
+        f: impl FnOnce(&[f32]) -> Vec<f32> + Send + 'static,
+    ) -> Tensor {
+        let out = self.output(shape);
+        let mut t = self.engine().task_at(name, location);
+        let a = t.read(&self.var);
+        let o = t.write(&out.var);
+        // Cannot fail: both Vars belong to this engine.
+        let _ = t.push(move || {
+            let v = f(&a.read());
+            *o.write() = v;
+        });
+        out
+    }
+
+    /// Records `out = f(self, other)`.
+    fn map2(
+        &self,
+        other: &Tensor,
+        name: &'static str,
+        location: Location,
+        shape: Shape,
+        f: impl FnOnce(&[f32], &[f32]) -> Vec<f32> + Send + 'static,
+    ) -> Result<Tensor> {
+        let out = self.output(shape);
+        let mut t = self.engine().task_at(name, location);
+        let a = t.read(&self.var);
+        let o = t.write(&out.var);
+        if self.same_data(other) {
+            t.push(move || {
+                let v = {
+                    let g = a.read();
+                    f(&g, &g)
+                };
+                *o.write() = v;
+            })?;
+        } else {
+            let b = t.read(&other.var);
+            t.push(move || {
+                let v = f(&a.read(), &b.read());
+                *o.write() = v;
+            })?;
+        }
+        Ok(out)
+    }
+
+    /// Records `f(&mut self, other)` in place.
+    fn update2(
+        &self,
+        other: &Tensor,
+        name: &'static str,
+        location: Location,
+        f: impl FnOnce(&mut [f32], &[f32]) + Send + 'static,
+    ) -> Result<()> {
+        let mut t = self.engine().task_at(name, location);
+        let w = t.write(&self.var);
+        if self.same_data(other) {
+            t.push(move || {
+                let mut g = w.write();
+                let b = g.clone();
+                f(&mut g, &b);
+            })
+        } else {
+            let b = t.read(&other.var);
+            t.push(move || f(&mut w.write(), &b.read()))
+        }
+    }
+
+    /// Records `f(&mut self)` in place.
+    fn update1(
+        &self,
+        name: &'static str,
+        location: Location,
+        f: impl FnOnce(&mut [f32]) + Send + 'static,
+    ) {
+        let mut t = self.engine().task_at(name, location);
+        let w = t.write(&self.var);
+        // Cannot fail: one Var of this engine.
+        let _ = t.push(move || f(&mut w.write()));
+    }
+
+    // ----- elementwise ------------------------------------------------------
+
+    fn binary_at(&self, other: &Tensor, op: BinaryOp, location: Location) -> Result<Tensor> {
+        let name = op.name();
+        self.check_device(name, &[other], location)?;
+        let out_shape = Shape::broadcast(&self.shape, &other.shape).ok_or_else(|| {
+            shape_err(
+                name,
+                &[&self.shape, &other.shape],
+                "cannot broadcast",
+                location,
+            )
+        })?;
+        let (sa, sb, so) = (self.shape.clone(), other.shape.clone(), out_shape.clone());
+        self.map2(other, name, location, out_shape, move |a, b| {
+            let mut out = vec![0.0; so.numel()];
+            kernels::binary(op, a, sa.dims(), b, sb.dims(), so.dims(), &mut out);
+            out
+        })
+    }
+
+    fn scalar_at(&self, s: f32, op: BinaryOp, scalar_left: bool, location: Location) -> Tensor {
+        self.map1(op.name(), location, self.shape.clone(), move |a| {
+            let mut out = vec![0.0; a.len()];
+            if scalar_left {
+                kernels::scalar_binary(op, s, a, &mut out);
+            } else {
+                kernels::binary_scalar(op, a, s, &mut out);
+            }
+            out
+        })
+    }
+
+    fn unary_at(&self, op: UnaryOp, location: Location) -> Tensor {
+        self.map1(op.name(), location, self.shape.clone(), move |a| {
+            let mut out = vec![0.0; a.len()];
+            kernels::unary(op, a, &mut out);
+            out
+        })
+    }
+
+    fn inplace_at(
+        &self,
+        other: &Tensor,
+        op: BinaryOp,
+        name: &'static str,
+        location: Location,
+    ) -> Result<()> {
+        self.check_device(name, &[other], location)?;
+        if !other.shape.broadcasts_to(&self.shape) {
+            return Err(shape_err(
+                name,
+                &[&self.shape, &other.shape],
+                "the right operand must broadcast to the left one",
+                location,
+            ));
+        }
+        let (sa, sb) = (self.shape.clone(), other.shape.clone());
+        self.update2(other, name, location, move |a, b| {
+            kernels::binary_inplace(op, a, sa.dims(), b, sb.dims())
+        })
+    }
+}
+
+macro_rules! binary_methods {
+    ($($(#[$doc:meta])* $name:ident => $op:ident;)*) => {
+        impl Tensor {
+            $(
+                $(#[$doc])*
+                #[track_caller]
+                pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
+                    self.binary_at(other, BinaryOp::$op, Location::caller())
+                }
+            )*
+        }
+    };
+}
+
+binary_methods! {
+    /// Elementwise `self + other` with numpy broadcasting.
+    add => Add;
+    /// Elementwise `self - other` with broadcasting.
+    sub => Sub;
+    /// Elementwise `self * other` with broadcasting.
+    mul => Mul;
+    /// Elementwise `self / other` with broadcasting.
+    div => Div;
+    /// Elementwise `self ^ other` with broadcasting.
+    pow => Pow;
+    /// Elementwise maximum with broadcasting (NaN propagates).
+    maximum => Maximum;
+    /// Elementwise minimum with broadcasting (NaN propagates).
+    minimum => Minimum;
+    /// Mask (1.0 / 0.0) of `self == other`, with broadcasting.
+    eq => Eq;
+    /// Mask of `self != other`, with broadcasting.
+    ne => Ne;
+    /// Mask of `self < other`, with broadcasting.
+    lt => Lt;
+    /// Mask of `self <= other`, with broadcasting.
+    le => Le;
+    /// Mask of `self > other`, with broadcasting.
+    gt => Gt;
+    /// Mask of `self >= other`, with broadcasting.
+    ge => Ge;
+}
+
+macro_rules! scalar_methods {
+    ($($(#[$doc:meta])* $name:ident => $op:ident;)*) => {
+        impl Tensor {
+            $(
+                $(#[$doc])*
+                #[track_caller]
+                pub fn $name(&self, s: f32) -> Tensor {
+                    self.scalar_at(s, BinaryOp::$op, false, Location::caller())
+                }
+            )*
+        }
+    };
+}
+
+scalar_methods! {
+    /// `self + s` elementwise.
+    add_scalar => Add;
+    /// `self - s` elementwise.
+    sub_scalar => Sub;
+    /// `self * s` elementwise.
+    mul_scalar => Mul;
+    /// `self / s` elementwise.
+    div_scalar => Div;
+    /// `self ^ s` elementwise.
+    powf => Pow;
+    /// `max(self, s)` elementwise (a clamp from below).
+    maximum_scalar => Maximum;
+    /// `min(self, s)` elementwise (a clamp from above).
+    minimum_scalar => Minimum;
+    /// Mask of `self == s`.
+    eq_scalar => Eq;
+    /// Mask of `self < s`.
+    lt_scalar => Lt;
+    /// Mask of `self > s`.
+    gt_scalar => Gt;
+}
+
+macro_rules! unary_methods {
+    ($($(#[$doc:meta])* $name:ident => $op:ident;)*) => {
+        impl Tensor {
+            $(
+                $(#[$doc])*
+                #[track_caller]
+                pub fn $name(&self) -> Tensor {
+                    self.unary_at(UnaryOp::$op, Location::caller())
+                }
+            )*
+        }
+    };
+}
+
+unary_methods! {
+    /// `-self` elementwise.
+    neg => Neg;
+    /// `e^self` elementwise.
+    exp => Exp;
+    /// Natural logarithm elementwise.
+    log => Log;
+    /// Square root elementwise.
+    sqrt => Sqrt;
+    /// Absolute value elementwise.
+    abs => Abs;
+    /// `max(self, 0)` elementwise.
+    relu => Relu;
+    /// Logistic sigmoid elementwise.
+    sigmoid => Sigmoid;
+    /// Hyperbolic tangent elementwise.
+    tanh => Tanh;
+}
+
+macro_rules! inplace_methods {
+    ($($(#[$doc:meta])* $name:ident, $scalar:ident => $op:ident;)*) => {
+        impl Tensor {
+            $(
+                $(#[$doc])*
+                ///
+                /// Recorded as a write of `self`: it is ordered after every earlier
+                /// read of the old value, and every clone of `self` sees the change.
+                /// `other` must broadcast to `self`'s shape.
+                #[track_caller]
+                pub fn $name(&self, other: &Tensor) -> Result<()> {
+                    self.inplace_at(other, BinaryOp::$op, stringify!($name), Location::caller())
+                }
+
+                $(#[$doc])*
+                ///
+                /// With a scalar right operand.
+                #[track_caller]
+                pub fn $scalar(&self, s: f32) {
+                    self.update1(stringify!($scalar), Location::caller(), move |a| {
+                        kernels::binary_scalar_inplace(BinaryOp::$op, a, s)
+                    })
+                }
+            )*
+        }
+    };
+}
+
+inplace_methods! {
+    /// In place `self += other`.
+    add_, add_scalar_ => Add;
+    /// In place `self -= other`.
+    sub_, sub_scalar_ => Sub;
+    /// In place `self *= other`.
+    mul_, mul_scalar_ => Mul;
+    /// In place `self /= other`.
+    div_, div_scalar_ => Div;
+}
+
+impl Tensor {
+    /// In place: sets every element to `value`.
+    #[track_caller]
+    pub fn fill_(&self, value: f32) {
+        let n = self.numel();
+        self.update1("fill_", Location::caller(), move |a| {
+            debug_assert_eq!(a.len(), n);
+            a.fill(value)
+        })
+    }
+
+    /// In place: copies `src` (same shape) into `self`.
+    #[track_caller]
+    pub fn copy_from(&self, src: &Tensor) -> Result<()> {
+        let location = Location::caller();
+        self.check_device("copy_from", &[src], location)?;
+        if src.shape != self.shape {
+            return Err(shape_err(
+                "copy_from",
+                &[&self.shape, &src.shape],
+                "shapes must be equal",
+                location,
+            ));
+        }
+        self.update2(src, "copy_from", location, |a, b| a.copy_from_slice(b))
+    }
+
+    /// In place: applies a unary op (e.g. `relu_`).
+    #[track_caller]
+    pub fn relu_(&self) {
+        self.update1("relu_", Location::caller(), |a| {
+            kernels::unary_inplace(UnaryOp::Relu, a)
+        })
+    }
+
+    // ----- reductions -------------------------------------------------------
+
+    fn reduce_all_at(&self, op: ReduceOp, location: Location) -> Tensor {
+        self.map1(op.name(), location, Shape::scalar(), move |a| {
+            vec![kernels::reduce_all(op, a)]
+        })
+    }
+
+    fn reduce_axis_at(&self, op: ReduceOp, axis: usize, location: Location) -> Result<Tensor> {
+        check_axis(op.name(), &self.shape, axis, location)?;
+        let mut dims = self.dims().to_vec();
+        dims.remove(axis);
+        let out_shape = Shape::from(dims);
+        let n = out_shape.numel();
+        let shape = self.shape.clone();
+        Ok(self.map1(op.name(), location, out_shape, move |a| {
+            let mut out = vec![0.0; n];
+            kernels::reduce_axis(op, a, shape.dims(), axis, &mut out);
+            out
+        }))
+    }
+}
+
+macro_rules! reduce_methods {
+    ($($(#[$doc:meta])* $all:ident, $axis:ident => $op:ident;)*) => {
+        impl Tensor {
+            $(
+                $(#[$doc])*
+                /// over all elements (a scalar tensor).
+                #[track_caller]
+                pub fn $all(&self) -> Tensor {
+                    self.reduce_all_at(ReduceOp::$op, Location::caller())
+                }
+
+                $(#[$doc])*
+                /// along `axis`, which is removed from the shape.
+                #[track_caller]
+                pub fn $axis(&self, axis: usize) -> Result<Tensor> {
+                    self.reduce_axis_at(ReduceOp::$op, axis, Location::caller())
+                }
+            )*
+        }
+    };
+}
+
+reduce_methods! {
+    /// Sum
+    sum, sum_axis => Sum;
+    /// Mean (NaN for no elements)
+    mean, mean_axis => Mean;
+    /// Maximum (NaN propagates)
+    max, max_axis => Max;
+    /// Minimum (NaN propagates)
+    min, min_axis => Min;
+    /// Index of the first maximum, as `f32`
+    argmax, argmax_axis => Argmax;
+}
+
+impl Tensor {
+    // ----- matmul -----------------------------------------------------------
+
+    /// Matrix product. `self` is `[..., m, k]`, `other` is `[k, n]` (shared by every
+    /// batch entry) or `[..., k, n]` with the same leading dims; the result is
+    /// `[..., m, n]`. Runs on the GEMM of the `faer` crate.
+    #[track_caller]
+    pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        let location = Location::caller();
+        self.check_device("matmul", &[other], location)?;
+        let (a, b) = (self.dims(), other.dims());
+        let err =
+            |reason: &str| shape_err("matmul", &[&self.shape, &other.shape], reason, location);
+        if a.len() < 2 || b.len() < 2 {
+            return Err(err("both operands need at least 2 dimensions"));
+        }
+        let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
+        let (k2, n) = (b[b.len() - 2], b[b.len() - 1]);
+        if k != k2 {
+            return Err(err(&format!("inner dimensions differ ({k} vs {k2})")));
+        }
+        let batch_dims = &a[..a.len() - 2];
+        let b_batched = b.len() > 2;
+        if b_batched && &b[..b.len() - 2] != batch_dims {
+            return Err(err(
+                "batch dimensions differ (the right operand may also be 2-D)",
+            ));
+        }
+        let batch: usize = batch_dims.iter().product();
+        let mut out_dims = batch_dims.to_vec();
+        out_dims.extend([m, n]);
+        self.map2(
+            other,
+            "matmul",
+            location,
+            Shape::from(out_dims),
+            move |a, b| {
+                let mut out = vec![0.0; batch * m * n];
+                kernels::matmul(a, b, &mut out, batch, m, k, n, b_batched);
+                out
+            },
+        )
+    }
+
+    // ----- layout -----------------------------------------------------------
+
+    /// Swaps two axes (a copy).
+    #[track_caller]
+    pub fn transpose(&self, dim0: usize, dim1: usize) -> Result<Tensor> {
+        let location = Location::caller();
+        check_axis("transpose", &self.shape, dim0, location)?;
+        check_axis("transpose", &self.shape, dim1, location)?;
+        let mut dims = self.dims().to_vec();
+        dims.swap(dim0, dim1);
+        let shape = self.shape.clone();
+        Ok(
+            self.map1("transpose", location, Shape::from(dims), move |a| {
+                let mut out = vec![0.0; a.len()];
+                kernels::transpose(a, shape.dims(), dim0, dim1, &mut out);
+                out
+            }),
+        )
+    }
+
+    /// The transpose of a 2-D tensor.
+    #[track_caller]
+    pub fn t(&self) -> Result<Tensor> {
+        let location = Location::caller();
+        if self.shape.rank() != 2 {
+            return Err(arg_err("t", &self.shape, "needs a 2-D tensor", location));
+        }
+        let shape = self.shape.clone();
+        Ok(self.map1(
+            "transpose",
+            location,
+            Shape::from([shape.dims()[1], shape.dims()[0]]),
+            move |a| {
+                let mut out = vec![0.0; a.len()];
+                kernels::transpose(a, shape.dims(), 0, 1, &mut out);
+                out
+            },
+        ))
+    }
+
+    /// The same data with another shape of as many elements. This is a view: no
+    /// node is recorded, and an in-place op on either tensor changes both.
+    #[track_caller]
+    pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        if shape.numel() != self.numel() {
+            return Err(shape_err(
+                "reshape",
+                &[&self.shape, &shape],
+                format!(
+                    "{} elements cannot be viewed as {}",
+                    self.numel(),
+                    shape.numel()
+                ),
+                Location::caller(),
+            ));
+        }
+        Ok(Tensor {
+            shape,
+            var: self.var.clone(),
+            device: self.device,
+        })
+    }
+
+    /// Materializes the broadcast of `self` to `shape` (numpy rules).
+    #[track_caller]
+    pub fn broadcast_to(&self, shape: impl Into<Shape>) -> Result<Tensor> {
+        let location = Location::caller();
+        let target = shape.into();
+        if !self.shape.broadcasts_to(&target) {
+            return Err(shape_err(
+                "broadcast_to",
+                &[&self.shape, &target],
+                "cannot broadcast",
+                location,
+            ));
+        }
+        let (from, to) = (self.shape.clone(), target.clone());
+        Ok(self.map1("broadcast_to", location, target, move |a| {
+            let mut out = vec![0.0; to.numel()];
+            kernels::broadcast_to(a, from.dims(), to.dims(), &mut out);
+            out
+        }))
+    }
+
+    /// `len` entries from `start` along `axis` (a copy).
+    #[track_caller]
+    pub fn narrow(&self, axis: usize, start: usize, len: usize) -> Result<Tensor> {
+        let location = Location::caller();
+        check_axis("narrow", &self.shape, axis, location)?;
+        let size = self.dims()[axis];
+        if start.checked_add(len).is_none_or(|end| end > size) {
+            return Err(arg_err(
+                "narrow",
+                &self.shape,
+                format!(
+                    "range {start}..{} exceeds axis {axis} of size {size}",
+                    start.saturating_add(len)
+                ),
+                location,
+            ));
+        }
+        let mut dims = self.dims().to_vec();
+        dims[axis] = len;
+        let out_shape = Shape::from(dims);
+        let n = out_shape.numel();
+        let shape = self.shape.clone();
+        Ok(self.map1("narrow", location, out_shape, move |a| {
+            let mut out = vec![0.0; n];
+            kernels::narrow(a, shape.dims(), axis, start, len, &mut out);
+            out
+        }))
+    }
+
+    /// Splits along `axis` into pieces of `sizes` (which must add up to the axis).
+    #[track_caller]
+    pub fn split(&self, axis: usize, sizes: &[usize]) -> Result<Vec<Tensor>> {
+        let location = Location::caller();
+        check_axis("split", &self.shape, axis, location)?;
+        let total: usize = sizes.iter().sum();
+        if total != self.dims()[axis] {
+            return Err(arg_err(
+                "split",
+                &self.shape,
+                format!(
+                    "sizes {sizes:?} add up to {total}, axis {axis} has {}",
+                    self.dims()[axis]
+                ),
+                location,
+            ));
+        }
+        let mut start = 0;
+        let mut out = Vec::with_capacity(sizes.len());
+        for &len in sizes {
+            out.push(self.narrow_at(axis, start, len, location));
+            start += len;
+        }
+        Ok(out)
+    }
+
+    fn narrow_at(&self, axis: usize, start: usize, len: usize, location: Location) -> Tensor {
+        let mut dims = self.dims().to_vec();
+        dims[axis] = len;
+        let out_shape = Shape::from(dims);
+        let n = out_shape.numel();
+        let shape = self.shape.clone();
+        self.map1("split", location, out_shape, move |a| {
+            let mut out = vec![0.0; n];
+            kernels::narrow(a, shape.dims(), axis, start, len, &mut out);
+            out
+        })
+    }
+
+    /// Joins tensors along `axis`; all other dimensions must agree.
+    #[track_caller]
+    pub fn concat(tensors: &[&Tensor], axis: usize) -> Result<Tensor> {
+        let location = Location::caller();
+        let Some(first) = tensors.first() else {
+            return Err(arg_err(
+                "concat",
+                &Shape::scalar(),
+                "needs at least one tensor",
+                location,
+            ));
+        };
+        first.check_device("concat", &tensors[1..], location)?;
+        check_axis("concat", &first.shape, axis, location)?;
+        let shapes: Vec<&Shape> = tensors.iter().map(|t| &t.shape).collect();
+        let fits = |s: &Shape| {
+            s.rank() == first.shape.rank()
+                && s.dims()
+                    .iter()
+                    .zip(first.dims())
+                    .enumerate()
+                    .all(|(i, (a, b))| i == axis || a == b)
+        };
+        if !shapes.iter().all(|s| fits(s)) {
+            return Err(shape_err(
+                "concat",
+                &shapes,
+                format!("dimensions other than axis {axis} must agree"),
+                location,
+            ));
+        }
+        let mut dims = first.dims().to_vec();
+        dims[axis] = tensors.iter().map(|t| t.dims()[axis]).sum();
+        let out = first.output(Shape::from(dims));
+        let mut task = first.engine().task_at("concat", location);
+        let inputs: Vec<_> = tensors
+            .iter()
+            .map(|t| (task.read(&t.var), t.shape.clone()))
+            .collect();
+        let o = task.write(&out.var);
+        let n = out.numel();
+        task.push(move || {
+            let guards: Vec<_> = inputs.iter().map(|(r, s)| (r.read(), s)).collect();
+            let parts: Vec<(&[f32], &[usize])> = guards
+                .iter()
+                .map(|(g, s)| (g.as_slice(), s.dims()))
+                .collect();
+            let mut v = vec![0.0; n];
+            kernels::concat(&parts, axis, &mut v);
+            drop(parts);
+            drop(guards);
+            *o.write() = v;
+        })?;
+        Ok(out)
+    }
+}
+
+// ----- operators --------------------------------------------------------------
+
+macro_rules! operator {
+    ($trait:ident, $method:ident, $op:ident, $assign:ident, $assign_method:ident, $inplace:literal) => {
+        impl ops::$trait<&Tensor> for &Tensor {
+            type Output = Tensor;
+            #[track_caller]
+            fn $method(self, rhs: &Tensor) -> Tensor {
+                let location = Location::caller();
+                self.binary_at(rhs, BinaryOp::$op, location)
+                    .unwrap_or_else(|e| self.poisoned(e))
+            }
+        }
+        impl ops::$trait<Tensor> for Tensor {
+            type Output = Tensor;
+            #[track_caller]
+            fn $method(self, rhs: Tensor) -> Tensor {
+                ops::$trait::$method(&self, &rhs)
+            }
+        }
+        impl ops::$trait<&Tensor> for Tensor {
+            type Output = Tensor;
+            #[track_caller]
+            fn $method(self, rhs: &Tensor) -> Tensor {
+                ops::$trait::$method(&self, rhs)
+            }
+        }
+        impl ops::$trait<Tensor> for &Tensor {
+            type Output = Tensor;
+            #[track_caller]
+            fn $method(self, rhs: Tensor) -> Tensor {
+                ops::$trait::$method(self, &rhs)
+            }
+        }
+        impl ops::$trait<f32> for &Tensor {
+            type Output = Tensor;
+            #[track_caller]
+            fn $method(self, rhs: f32) -> Tensor {
+                self.scalar_at(rhs, BinaryOp::$op, false, Location::caller())
+            }
+        }
+        impl ops::$trait<f32> for Tensor {
+            type Output = Tensor;
+            #[track_caller]
+            fn $method(self, rhs: f32) -> Tensor {
+                self.scalar_at(rhs, BinaryOp::$op, false, Location::caller())
+            }
+        }
+        impl ops::$trait<&Tensor> for f32 {
+            type Output = Tensor;
+            #[track_caller]
+            fn $method(self, rhs: &Tensor) -> Tensor {
+                rhs.scalar_at(self, BinaryOp::$op, true, Location::caller())
+            }
+        }
+        impl ops::$trait<Tensor> for f32 {
+            type Output = Tensor;
+            #[track_caller]
+            fn $method(self, rhs: Tensor) -> Tensor {
+                rhs.scalar_at(self, BinaryOp::$op, true, Location::caller())
+            }
+        }
+        /// In place. A shape error cannot be returned from an operator: it is
+        /// recorded as a failing node that poisons `self`.
+        impl ops::$assign<&Tensor> for Tensor {
+            #[track_caller]
+            fn $assign_method(&mut self, rhs: &Tensor) {
+                let location = Location::caller();
+                if let Err(e) = self.inplace_at(rhs, BinaryOp::$op, $inplace, location) {
+                    let mut t = self.engine().task_at($inplace, location);
+                    let _w = t.write(&self.var);
+                    let message = e.to_string();
+                    let _ = t.try_run(move || Err(message));
+                }
+            }
+        }
+        impl ops::$assign<f32> for Tensor {
+            #[track_caller]
+            fn $assign_method(&mut self, rhs: f32) {
+                self.update1($inplace, Location::caller(), move |a| {
+                    kernels::binary_scalar_inplace(BinaryOp::$op, a, rhs)
+                })
+            }
+        }
+    };
+}
+
+operator!(Add, add, Add, AddAssign, add_assign, "add_");
+operator!(Sub, sub, Sub, SubAssign, sub_assign, "sub_");
+operator!(Mul, mul, Mul, MulAssign, mul_assign, "mul_");
+operator!(Div, div, Div, DivAssign, div_assign, "div_");
+
+impl ops::Neg for &Tensor {
+    type Output = Tensor;
+    #[track_caller]
+    fn neg(self) -> Tensor {
+        self.unary_at(UnaryOp::Neg, Location::caller())
+    }
+}
+
+impl ops::Neg for Tensor {
+    type Output = Tensor;
+    #[track_caller]
+    fn neg(self) -> Tensor {
+        self.unary_at(UnaryOp::Neg, Location::caller())
+    }
+}

@@ -1,0 +1,243 @@
+//! Vars: typed data whose accesses the engine orders.
+//!
+//! A [`Var`] is a handle. The data lives in a shared storage that tasks reach
+//! through access tokens ([`Read`], [`Write`]) handed out when the task is
+//! recorded; the engine guarantees that a token is only used while its access is
+//! the one the dependency graph allows, so the lock inside is never contended by
+//! correctly recorded tasks (it is there so that a mistake is a wait, not a race).
+
+use crate::engine::{Counters, Engine};
+use crate::error::{Result, SharedError};
+use crate::graph::VarId;
+use crate::sync::{lock, Arc, Ordering};
+use smallvec::SmallVec;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// A value managed by an engine: every access to it goes through recorded tasks or
+/// blockers, so readers see exactly the writes that precede them in program order.
+///
+/// Cloning a `Var` clones the handle, not the data. The data is freed when the last
+/// handle is dropped and every pending access to it has finished.
+///
+/// ```
+/// use lazyflow::Engine;
+/// let engine = Engine::builder().workers(1).build().unwrap();
+/// let counter = engine.var(0u32);
+/// for _ in 0..3 {
+///     let mut t = engine.task("increment");
+///     let w = t.write(&counter);
+///     t.push(move || *w.write() += 1).unwrap();
+/// }
+/// assert_eq!(counter.get().unwrap(), 3);
+/// ```
+pub struct Var<T> {
+    inner: Arc<VarHandle<T>>,
+}
+
+impl<T> Clone for Var<T> {
+    fn clone(&self) -> Self {
+        Var {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+struct VarHandle<T> {
+    id: VarId,
+    engine: Engine,
+    storage: Arc<Storage<T>>,
+}
+
+impl<T> Drop for VarHandle<T> {
+    fn drop(&mut self) {
+        lock(&self.engine.shared().state).graph.drop_var(self.id);
+    }
+}
+
+/// The data behind a Var; counted in [`crate::Stats::live_vars`].
+pub(crate) struct Storage<T> {
+    value: RwLock<T>,
+    counters: Arc<Counters>,
+}
+
+impl<T> Storage<T> {
+    fn new(value: T, counters: Arc<Counters>) -> Self {
+        counters.live_vars.fetch_add(1, Ordering::Relaxed);
+        Storage {
+            value: RwLock::new(value),
+            counters,
+        }
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, T> {
+        self.value.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, T> {
+        self.value.write().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<T> Drop for Storage<T> {
+    fn drop(&mut self) {
+        self.counters.live_vars.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Read access to a Var's data, granted to one recorded task.
+///
+/// Use it only inside the task it was created for: there the engine has ordered it
+/// after the Var's last write.
+pub struct Read<T> {
+    storage: Arc<Storage<T>>,
+}
+
+impl<T> Read<T> {
+    /// Borrows the data.
+    pub fn read(&self) -> RwLockReadGuard<'_, T> {
+        self.storage.read()
+    }
+}
+
+/// Write access to a Var's data, granted to one recorded task.
+///
+/// Use it only inside the task it was created for: there the engine has ordered it
+/// after every earlier access to the Var.
+pub struct Write<T> {
+    storage: Arc<Storage<T>>,
+}
+
+impl<T> Write<T> {
+    /// Borrows the data mutably.
+    pub fn write(&self) -> RwLockWriteGuard<'_, T> {
+        self.storage.write()
+    }
+
+    /// Borrows the data (a writer may also read what it is about to change).
+    pub fn read(&self) -> RwLockReadGuard<'_, T> {
+        self.storage.read()
+    }
+}
+
+impl Engine {
+    /// Puts `value` under this engine's management.
+    pub fn var<T: Send + Sync + 'static>(&self, value: T) -> Var<T> {
+        let id = lock(&self.shared().state).graph.new_var();
+        self.var_with_id(id, value)
+    }
+
+    pub(crate) fn poisoned_var<T: Send + Sync + 'static>(
+        &self,
+        value: T,
+        err: SharedError,
+    ) -> Var<T> {
+        let id = lock(&self.shared().state).graph.new_poisoned_var(err);
+        self.var_with_id(id, value)
+    }
+
+    fn var_with_id<T>(&self, id: VarId, value: T) -> Var<T> {
+        Var {
+            inner: Arc::new(VarHandle {
+                id,
+                engine: self.clone(),
+                storage: Arc::new(Storage::new(value, self.counters().clone())),
+            }),
+        }
+    }
+}
+
+impl<T> Var<T> {
+    #[inline]
+    pub(crate) fn id(&self) -> VarId {
+        self.inner.id
+    }
+
+    /// The engine that manages this Var.
+    pub fn engine(&self) -> &Engine {
+        &self.inner.engine
+    }
+
+    pub(crate) fn read_token(&self) -> Read<T> {
+        Read {
+            storage: self.inner.storage.clone(),
+        }
+    }
+
+    pub(crate) fn write_token(&self) -> Write<T> {
+        Write {
+            storage: self.inner.storage.clone(),
+        }
+    }
+
+    /// Whether two handles refer to the same data.
+    pub fn same(&self, other: &Var<T>) -> bool {
+        Arc::ptr_eq(&self.inner.storage, &other.inner.storage)
+    }
+
+    /// Explicit blocker: runs exactly the recorded work this value depends on (and
+    /// nothing else) and waits for it. Returns the failure that poisoned the value,
+    /// if any, naming the op that failed and where it was recorded.
+    ///
+    /// Inside a running task it runs other queued work while it waits, and returns
+    /// [`crate::Error::WouldDeadlock`] if the value depends on that task itself.
+    pub fn wait_to_read(&self) -> Result<()> {
+        self.engine().counters().blocker(false);
+        self.settle_read()
+    }
+
+    fn settle_read(&self) -> Result<()> {
+        let id = self.id();
+        let shared = self.engine().shared();
+        shared.wait_for(|g| g.writer_of(id).into_iter().collect())?;
+        match lock(&shared.state).graph.poison_of(id) {
+            Some(err) => Err((*err).clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Explicit blocker for a write from the frontend: waits until every recorded
+    /// access to this value (reads included) has finished.
+    pub fn wait_to_write(&self) -> Result<()> {
+        self.engine().counters().blocker(false);
+        let id = self.id();
+        self.engine().shared().wait_for(|g| g.accessors_of(id))
+    }
+
+    /// Implicit blocker: waits for the value like [`Var::wait_to_read`] and calls
+    /// `f` on it.
+    pub fn with<R>(&self, f: impl FnOnce(&T) -> R) -> Result<R> {
+        self.engine().counters().blocker(true);
+        self.settle_read()?;
+        Ok(f(&self.inner.storage.read()))
+    }
+
+    /// Implicit blocker: waits for the value and returns a copy of it.
+    pub fn get(&self) -> Result<T>
+    where
+        T: Clone,
+    {
+        self.with(T::clone)
+    }
+
+    /// Records a task that replaces the value (ordered after every earlier access,
+    /// like any write). Clears a poisoned value once it runs.
+    #[track_caller]
+    pub fn set(&self, value: T) -> Result<()>
+    where
+        T: Send + Sync + 'static,
+    {
+        let mut t = self.engine().task("set");
+        let w = t.write(self);
+        t.push(move || *w.write() = value)
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for Var<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Var")
+            .field("id", &self.id())
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) type VarIds = SmallVec<[VarId; 4]>;
