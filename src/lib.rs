@@ -30,6 +30,7 @@
 #![deny(missing_docs, unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
 
+mod benchmark;
 mod device;
 mod engine;
 mod error;
@@ -40,9 +41,15 @@ mod task;
 pub mod tensor;
 mod var;
 
+pub use benchmark::Benchmark;
 pub use device::Device;
 pub use engine::{Engine, EngineBuilder, Mode, Stats, DEFAULT_HIGH_WATERMARK};
 pub use error::{Error, Location, Result};
 pub use task::{TaskBuilder, TaskHandle};
 pub use tensor::{Shape, Tensor};
 pub use var::{Read, Var, Write};
+
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

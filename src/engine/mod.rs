@@ -12,8 +12,8 @@ mod builder;
 mod stats;
 
 pub use builder::{EngineBuilder, Mode, DEFAULT_HIGH_WATERMARK};
-pub(crate) use stats::Counters;
 pub use stats::Stats;
+pub(crate) use stats::{Counters, Tally};
 
 use crate::error::{Error, Location, Result};
 use crate::graph::{Graph, NodeId, NodeMeta, Outcome, VarId};
@@ -65,6 +65,9 @@ pub(crate) struct Locked {
     /// Frontend threads stalled by backpressure.
     bp_waiters: usize,
     peak_live: usize,
+    /// Counted under the lock that is held anyway (no extra shared cache lines
+    /// on the hot paths).
+    pub(crate) tally: Tally,
 }
 
 /// Everything the workers and the handles share.
@@ -121,6 +124,7 @@ impl Engine {
                 all_waiters: 0,
                 bp_waiters: 0,
                 peak_live: 0,
+                tally: Tally::default(),
             }),
             changed: Condvar::new(),
             injector: Injector::new(),
@@ -184,9 +188,12 @@ impl Engine {
     pub fn stats(&self) -> Stats {
         let shared = self.shared();
         let st = lock(&shared.state);
-        shared
-            .counters
-            .snapshot(st.graph.live_nodes(), st.peak_live, st.graph.tracked_vars())
+        shared.counters.snapshot(
+            &st.tally,
+            st.graph.live_nodes(),
+            st.peak_live,
+            st.graph.tracked_vars(),
+        )
     }
 
     /// Resets the peak of live nodes reported by [`Engine::stats`] to the current
@@ -253,13 +260,13 @@ impl Shared {
         writes: &[VarId],
         task: Task,
     ) -> NodeId {
-        let on_worker = sched::on_worker_of(self.id);
         let mut pushed = 0;
         let mut st = lock(&self.state);
-        if st.graph.live_nodes() >= self.config.high && !on_worker {
+        if st.graph.live_nodes() >= self.config.high && !sched::on_worker_of(self.id) {
             st = self.backpressure(st);
         }
         let id = st.graph.record(meta, reads, writes, task);
+        st.tally.recorded += 1;
         let live = st.graph.live_nodes();
         if live > st.peak_live {
             st.peak_live = live;
@@ -271,7 +278,6 @@ impl Shared {
             });
         }
         drop(st);
-        self.counters.recorded.fetch_add(1, Ordering::Relaxed);
         self.sleep.wake(pushed);
         if self.config.mode == Mode::Sync {
             // The node's failure, if any, is reported by the caller through the
@@ -292,7 +298,7 @@ impl Shared {
                 sched::publish(self, r);
                 pushed += 1;
             });
-            self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+            st.tally.flushes += 1;
             self.sleep.wake(pushed);
         }
         st.bp_waiters += 1;
@@ -310,19 +316,16 @@ impl Shared {
         node: NodeId,
         (outcome, status): (Outcome, Option<Arc<crate::task::TaskStatus>>),
     ) -> Option<Work> {
-        match &outcome {
-            Outcome::Done => {}
-            Outcome::Failed(_) => {
-                self.counters.failed.fetch_add(1, Ordering::Relaxed);
-            }
-            Outcome::Skipped(_) => {
-                self.counters.skipped.fetch_add(1, Ordering::Relaxed);
-            }
-        }
         let mut next = None;
         let mut pushed = 0;
         let notify = {
             let mut st = lock(&self.state);
+            match &outcome {
+                Outcome::Done => {}
+                Outcome::Failed(_) => st.tally.failed += 1,
+                Outcome::Skipped(_) => st.tally.skipped += 1,
+            }
+            st.tally.completed += 1;
             let (waited, err) = st.graph.complete(node, outcome, &mut |r| {
                 if next.is_none() {
                     next = Some(r);
@@ -339,7 +342,6 @@ impl Shared {
                 || (st.bp_waiters > 0 && live <= self.config.low);
             notify
         };
-        self.counters.completed.fetch_add(1, Ordering::Relaxed);
         if notify {
             self.changed.notify_all();
         }
@@ -378,7 +380,7 @@ impl Shared {
             sched::publish(self, r);
             pushed += 1;
         });
-        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        st.tally.flushes += 1;
         for &r in &roots {
             st.graph.set_waited(r);
         }
@@ -409,7 +411,7 @@ impl Shared {
             sched::publish(self, r);
             pushed += 1;
         });
-        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        st.tally.flushes += 1;
         self.sleep.wake(pushed);
         st.all_waiters += 1;
         while st.graph.live_nodes() > 0 {

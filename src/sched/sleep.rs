@@ -45,8 +45,11 @@ impl Sleep {
     /// Wakes up to `n` parked workers after new work was published.
     #[inline]
     pub(crate) fn wake(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
         crate::sync::fence_seq_cst();
-        if n == 0 || self.sleepers.load(Ordering::SeqCst) == 0 {
+        if self.sleepers.load(Ordering::SeqCst) == 0 {
             return;
         }
         self.wake_slow(n);

@@ -1,0 +1,223 @@
+//! Per-node cost of the engine on empty generic tasks, recording included.
+//!
+//! `cargo bench --bench scheduler` prints nodes per second (criterion's
+//! `Throughput::Elements`); the README turns the medians into ns per node next to
+//! Taskflow 4.1's figures for the same shapes on this machine class, and next to
+//! rayon measured in the same run (`baseline/*`).
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use lazyflow::{Engine, Mode, Tensor, Var};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use std::time::{Duration, Instant};
+
+const WORKERS: usize = 2;
+
+fn engine(mode: Mode) -> Engine {
+    Engine::builder()
+        .mode(mode)
+        .workers(WORKERS)
+        .build()
+        .unwrap()
+}
+
+/// 1,000,000 nodes, each writing the Var the previous one wrote.
+fn chain(e: &Engine, n: usize) {
+    let x = e.var(());
+    for _ in 0..n {
+        let mut t = e.task("chain");
+        let w = t.write(&x);
+        t.push(move || drop(w)).unwrap();
+    }
+    e.wait_all().unwrap();
+}
+
+/// 1,000,000 independent nodes.
+fn wide(e: &Engine, n: usize) {
+    for _ in 0..n {
+        e.task("wide").push(|| {}).unwrap();
+    }
+    e.wait_all().unwrap();
+}
+
+/// Fan-out from one root down a binary tree to 2^(depth-1) leaves, then a second
+/// binary tree fanning those leaves back in to one node: 2^(depth+1) - 2 nodes.
+fn tree(e: &Engine, depth: u32) -> usize {
+    let mut nodes = 0;
+    let root = e.var(());
+    let mut t = e.task("root");
+    let w = t.write(&root);
+    t.push(move || drop(w)).unwrap();
+    nodes += 1;
+    let mut level = vec![root];
+    for _ in 1..depth {
+        let mut next = Vec::with_capacity(level.len() * 2);
+        for parent in &level {
+            for _ in 0..2 {
+                let child = e.var(());
+                let mut t = e.task("fan_out");
+                let (r, w) = (t.read(parent), t.write(&child));
+                t.push(move || drop((r, w))).unwrap();
+                nodes += 1;
+                next.push(child);
+            }
+        }
+        level = next;
+    }
+    // Fan-in: one node per leaf, then pairwise joins up to a single sink.
+    let mut level: Vec<Var<()>> = level
+        .iter()
+        .map(|leaf| {
+            let v = e.var(());
+            let mut t = e.task("gather");
+            let (r, w) = (t.read(leaf), t.write(&v));
+            t.push(move || drop((r, w))).unwrap();
+            nodes += 1;
+            v
+        })
+        .collect();
+    while level.len() > 1 {
+        level = level
+            .chunks(2)
+            .map(|pair| {
+                let v = e.var(());
+                let mut t = e.task("fan_in");
+                let rs: Vec<_> = pair.iter().map(|p| t.read(p)).collect();
+                let w = t.write(&v);
+                t.push(move || drop((rs, w))).unwrap();
+                nodes += 1;
+                v
+            })
+            .collect();
+    }
+    e.wait_all().unwrap();
+    nodes
+}
+
+/// Each node writes a Var of its own and reads 0 to 4 Vars written by earlier
+/// nodes (2 on average), chosen in advance.
+fn random_dag(e: &Engine, inputs: &[Vec<usize>]) {
+    let mut vars: Vec<Var<()>> = Vec::with_capacity(inputs.len());
+    for reads in inputs {
+        let v = e.var(());
+        let mut t = e.task("random");
+        let rs: Vec<_> = reads.iter().map(|&i| t.read(&vars[i])).collect();
+        let w = t.write(&v);
+        t.push(move || drop((rs, w))).unwrap();
+        vars.push(v);
+    }
+    e.wait_all().unwrap();
+}
+
+fn random_inputs(n: usize) -> Vec<Vec<usize>> {
+    let mut rng = StdRng::seed_from_u64(7);
+    (0..n)
+        .map(|i| {
+            let k = if i == 0 {
+                0
+            } else {
+                rng.random_range(0..=4usize)
+            };
+            (0..k).map(|_| rng.random_range(0..i)).collect()
+        })
+        .collect()
+}
+
+/// Async mode: each node, recorded one by one, reads what the previous wrote and
+/// writes a new Var; one `wait_all` at the end.
+fn dynamic_chain(e: &Engine, n: usize) {
+    let mut prev = e.var(());
+    for _ in 0..n {
+        let next = e.var(());
+        let mut t = e.task("dynamic");
+        let (r, w) = (t.read(&prev), t.write(&next));
+        t.push(move || drop((r, w))).unwrap();
+        prev = next;
+    }
+    e.wait_all().unwrap();
+}
+
+fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("scheduler");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(5));
+
+    let lazy = engine(Mode::Lazy);
+    const N: usize = 1_000_000;
+    g.throughput(Throughput::Elements(N as u64));
+    g.bench_function("chain", |b| b.iter(|| chain(&lazy, N)));
+    g.bench_function("wide", |b| b.iter(|| wide(&lazy, N)));
+
+    let tree_nodes = tree(&lazy, 19);
+    g.throughput(Throughput::Elements(tree_nodes as u64));
+    g.bench_function("tree", |b| b.iter(|| tree(&lazy, 19)));
+
+    let inputs = random_inputs(100_000);
+    g.throughput(Throughput::Elements(inputs.len() as u64));
+    g.bench_function("random_dag", |b| b.iter(|| random_dag(&lazy, &inputs)));
+
+    let asynchronous = engine(Mode::Async);
+    g.throughput(Throughput::Elements(100_000));
+    g.bench_function("dynamic_chain", |b| {
+        b.iter(|| dynamic_chain(&asynchronous, 100_000))
+    });
+
+    // Recording only: the nodes pile up unrun (backpressure off) and are run
+    // outside the timed region.
+    let recorder = Engine::builder()
+        .mode(Mode::Lazy)
+        .workers(WORKERS)
+        .unbounded()
+        .build()
+        .unwrap();
+    let x = Tensor::ones_in(&recorder, [4]);
+    let y = Tensor::ones_in(&recorder, [4]);
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("record_tensor_op", |b| {
+        b.iter_custom(|iters| {
+            let mut outs = Vec::with_capacity(iters as usize);
+            let start = Instant::now();
+            for _ in 0..iters {
+                outs.push(&x + &y);
+            }
+            let elapsed = start.elapsed();
+            drop(outs);
+            recorder.wait_all().unwrap();
+            elapsed
+        })
+    });
+    g.finish();
+
+    // Peers measured in the same run: rayon's scope spawn and join on a pool of the
+    // same size, for the same number of empty tasks as `wide`.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(WORKERS)
+        .build()
+        .unwrap();
+    let mut g = c.benchmark_group("baseline");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(5));
+    g.throughput(Throughput::Elements(N as u64));
+    g.bench_function("rayon_scope_spawn_wide", |b| {
+        b.iter(|| {
+            pool.scope(|s| {
+                for _ in 0..N {
+                    s.spawn(|_| {});
+                }
+            })
+        })
+    });
+    g.bench_function("rayon_join_tree", |b| {
+        fn split(n: usize) {
+            if n > 1 {
+                rayon::join(|| split(n / 2), || split(n - n / 2));
+            }
+        }
+        b.iter_batched(|| (), |_| pool.install(|| split(N)), BatchSize::SmallInput)
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
