@@ -5,9 +5,10 @@ use crate::sync::{lock, AtomicUsize, Condvar, Mutex, Ordering};
 
 /// Where idle workers park.
 pub(crate) struct Sleep {
-    /// Workers parked or about to park. SeqCst: pairs with the SeqCst fence in
-    /// [`Sleep::wake`] so that either the sleeper sees the new work or the waker
-    /// sees the sleeper.
+    /// Workers parked or about to park. The accesses are Relaxed: the SeqCst
+    /// fence after the increment in [`Sleep::sleep`] pairs with the SeqCst fence
+    /// before the load in [`Sleep::wake`], so that either the sleeper sees the new
+    /// work or the waker sees the sleeper.
     sleepers: AtomicUsize,
     lock: Mutex<()>,
     wakeup: Condvar,
@@ -26,10 +27,10 @@ impl Sleep {
     /// sleeper) says there is something to do. May return spuriously.
     pub(crate) fn sleep(&self, has_work: impl Fn() -> bool) {
         let guard = lock(&self.lock);
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        self.sleepers.fetch_add(1, Ordering::Relaxed);
         crate::sync::fence_seq_cst();
         if has_work() {
-            self.sleepers.fetch_sub(1, Ordering::SeqCst);
+            self.sleepers.fetch_sub(1, Ordering::Relaxed);
             return;
         }
         // The waker must take `lock` to notify, and we hold it until `wait`
@@ -38,7 +39,7 @@ impl Sleep {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        self.sleepers.fetch_sub(1, Ordering::Relaxed);
         drop(guard);
     }
 
@@ -49,7 +50,7 @@ impl Sleep {
             return;
         }
         crate::sync::fence_seq_cst();
-        if self.sleepers.load(Ordering::SeqCst) == 0 {
+        if self.sleepers.load(Ordering::Relaxed) == 0 {
             return;
         }
         self.wake_slow(n);
@@ -58,7 +59,7 @@ impl Sleep {
     #[cold]
     fn wake_slow(&self, n: usize) {
         let _guard = lock(&self.lock);
-        let sleepers = self.sleepers.load(Ordering::SeqCst);
+        let sleepers = self.sleepers.load(Ordering::Relaxed);
         if n >= sleepers {
             self.wakeup.notify_all();
         } else {
@@ -89,7 +90,7 @@ mod loom_tests {
             let queue = Arc::new(AtomicBool::new(false));
             let (s2, q2) = (sleep.clone(), queue.clone());
             let worker = loom::thread::spawn(move || loop {
-                if q2.swap(false, Ordering::AcqRel) {
+                if q2.load(Ordering::Acquire) {
                     return;
                 }
                 s2.sleep(|| q2.load(Ordering::Acquire));

@@ -3,8 +3,8 @@
 use super::kernels::{self, BinaryOp, ReduceOp, UnaryOp};
 use super::{Shape, Tensor};
 use crate::error::{shapes_list, Error, Location, Result};
-use crate::sync::Arc;
 use std::ops;
+use std::sync::Arc;
 
 fn shape_err(
     op: &'static str,
@@ -32,6 +32,26 @@ fn arg_err(
         shape: shape.to_string(),
         reason: reason.into(),
         location,
+    }
+}
+
+/// How an in-place op uses the old value of its target.
+#[derive(Clone, Copy)]
+enum Update {
+    /// The result depends on the old value (`add_`, `relu_`): the node also reads
+    /// the target, so a poisoned target stays poisoned (the node is skipped).
+    ReadModifyWrite,
+    /// The old value is replaced whole (`fill_`, `copy_from`): a poisoned target
+    /// becomes a valid value again.
+    Overwrite,
+}
+
+impl Update {
+    fn declare(self, t: &mut crate::task::TaskBuilder<'_>, var: &crate::var::Var<Vec<f32>>) {
+        if let Update::ReadModifyWrite = self {
+            // Only the dependency matters; the task reads through its write token.
+            drop(t.read(var));
+        }
     }
 }
 
@@ -137,9 +157,11 @@ impl Tensor {
         other: &Tensor,
         name: &'static str,
         location: Location,
-        f: impl FnOnce(&mut [f32], &[f32]) + Send + 'static,
+        kind: Update,
+        f: impl FnOnce(&mut Vec<f32>, &[f32]) + Send + 'static,
     ) -> Result<()> {
         let mut t = self.engine().task_at(name, location);
+        kind.declare(&mut t, &self.var);
         let w = t.write(&self.var);
         if self.same_data(other) {
             t.push(move || {
@@ -158,9 +180,11 @@ impl Tensor {
         &self,
         name: &'static str,
         location: Location,
-        f: impl FnOnce(&mut [f32]) + Send + 'static,
+        kind: Update,
+        f: impl FnOnce(&mut Vec<f32>) + Send + 'static,
     ) {
         let mut t = self.engine().task_at(name, location);
+        kind.declare(&mut t, &self.var);
         let w = t.write(&self.var);
         // Cannot fail: one Var of this engine.
         let _ = t.push(move || f(&mut w.write()));
@@ -224,9 +248,13 @@ impl Tensor {
             ));
         }
         let (sa, sb) = (self.shape.clone(), other.shape.clone());
-        self.update2(other, name, location, move |a, b| {
-            kernels::binary_inplace(op, a, sa.dims(), b, sb.dims())
-        })
+        self.update2(
+            other,
+            name,
+            location,
+            Update::ReadModifyWrite,
+            move |a, b| kernels::binary_inplace(op, a, sa.dims(), b, sb.dims()),
+        )
     }
 }
 
@@ -362,7 +390,7 @@ macro_rules! inplace_methods {
                 /// With a scalar right operand.
                 #[track_caller]
                 pub fn $scalar(&self, s: f32) {
-                    self.update1(stringify!($scalar), Location::caller(), move |a| {
+                    self.update1(stringify!($scalar), Location::caller(), Update::ReadModifyWrite, move |a| {
                         kernels::binary_scalar_inplace(BinaryOp::$op, a, s)
                     })
                 }
@@ -387,9 +415,10 @@ impl Tensor {
     #[track_caller]
     pub fn fill_(&self, value: f32) {
         let n = self.numel();
-        self.update1("fill_", Location::caller(), move |a| {
-            debug_assert_eq!(a.len(), n);
-            a.fill(value)
+        // The whole buffer is replaced, so the target need not have had a value.
+        self.update1("fill_", Location::caller(), Update::Overwrite, move |a| {
+            a.clear();
+            a.resize(n, value);
         })
     }
 
@@ -406,13 +435,16 @@ impl Tensor {
                 location,
             ));
         }
-        self.update2(src, "copy_from", location, |a, b| a.copy_from_slice(b))
+        self.update2(src, "copy_from", location, Update::Overwrite, |a, b| {
+            a.clear();
+            a.extend_from_slice(b);
+        })
     }
 
     /// In place: applies a unary op (e.g. `relu_`).
     #[track_caller]
     pub fn relu_(&self) {
-        self.update1("relu_", Location::caller(), |a| {
+        self.update1("relu_", Location::caller(), Update::ReadModifyWrite, |a| {
             kernels::unary_inplace(UnaryOp::Relu, a)
         })
     }
@@ -808,9 +840,12 @@ macro_rules! operator {
         impl ops::$assign<f32> for Tensor {
             #[track_caller]
             fn $assign_method(&mut self, rhs: f32) {
-                self.update1($inplace, Location::caller(), move |a| {
-                    kernels::binary_scalar_inplace(BinaryOp::$op, a, rhs)
-                })
+                self.update1(
+                    $inplace,
+                    Location::caller(),
+                    Update::ReadModifyWrite,
+                    move |a| kernels::binary_scalar_inplace(BinaryOp::$op, a, rhs),
+                )
             }
         }
     };
