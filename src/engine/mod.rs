@@ -309,38 +309,39 @@ impl Shared {
         st
     }
 
-    /// Removes a finished node and returns the first dependent it made ready (to be
-    /// run next by the same thread); other ready dependents go to the queues.
-    pub(crate) fn complete(
-        &self,
-        node: NodeId,
-        (outcome, status): (Outcome, Option<Arc<crate::task::TaskStatus>>),
-    ) -> Option<Work> {
+    /// Removes finished nodes (draining `finished`) and returns the first
+    /// dependent they made ready, to be run next by the same thread; other ready
+    /// dependents go to the queues.
+    pub(crate) fn complete(&self, finished: &mut Vec<sched::Finished>) -> Option<Work> {
         let mut next = None;
         let mut pushed = 0;
         let notify = {
             let mut st = lock(&self.state);
-            match &outcome {
-                Outcome::Done => {}
-                Outcome::Failed(_) => st.tally.failed += 1,
-                Outcome::Skipped(_) => st.tally.skipped += 1,
-            }
-            st.tally.completed += 1;
-            let (waited, err) = st.graph.complete(node, outcome, &mut |r| {
-                if next.is_none() {
-                    next = Some(r);
-                } else {
-                    sched::publish(self, r);
-                    pushed += 1;
+            let mut notify = false;
+            for (node, outcome, status) in finished.drain(..) {
+                match &outcome {
+                    Outcome::Done => {}
+                    Outcome::Failed(_) => st.tally.failed += 1,
+                    Outcome::Skipped(_) => st.tally.skipped += 1,
                 }
-            });
-            // Under the lock, so a blocker that sees the node gone sees its status.
-            sched::report(status, err);
+                st.tally.completed += 1;
+                let (waited, err) = st.graph.complete(node, outcome, &mut |r| {
+                    if next.is_none() {
+                        next = Some(r);
+                    } else {
+                        sched::publish(self, r);
+                        pushed += 1;
+                    }
+                });
+                // Under the lock, so a blocker that sees the node gone sees its
+                // status.
+                sched::report(status, err);
+                notify |= waited;
+            }
             let live = st.graph.live_nodes();
-            let notify = waited
-                || (st.all_waiters > 0 && live == 0)
-                || (st.bp_waiters > 0 && live <= self.config.low);
             notify
+                || (st.all_waiters > 0 && live == 0)
+                || (st.bp_waiters > 0 && live <= self.config.low)
         };
         if notify {
             self.changed.notify_all();
@@ -361,12 +362,20 @@ impl Shared {
         &self,
         targets: impl FnOnce(&Graph<Task>) -> SmallVec<[NodeId; 4]>,
     ) -> Result<()> {
+        let on_worker = sched::on_worker_of(self.id);
+        if on_worker {
+            // What this worker has finished must be completed before it waits:
+            // the value may come from one of those nodes.
+            if let Some(next) = sched::complete_pending(self) {
+                sched::publish(self, next);
+                self.sleep.wake(1);
+            }
+        }
         let mut st = lock(&self.state);
         let roots = targets(&st.graph);
         if roots.is_empty() {
             return Ok(());
         }
-        let on_worker = sched::on_worker_of(self.id);
         if on_worker {
             if let Some(current) = sched::current_node() {
                 if st.graph.analysis().is_ancestor(current, &roots) {

@@ -18,6 +18,7 @@ use crate::sync::{Arc, Ordering};
 use crossbeam_deque::{Steal, Worker};
 use std::cell::{Cell, RefCell};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::{Duration, Instant};
 
 /// What a node does when it runs, plus where to report how it ended.
 pub(crate) struct Task {
@@ -38,6 +39,8 @@ thread_local! {
     static WORKER: RefCell<Option<WorkerCtx>> = const { RefCell::new(None) };
     /// The node this thread is running, if any (for deadlock checks in blockers).
     static CURRENT: Cell<Option<NodeId>> = const { Cell::new(None) };
+    /// Nodes this worker ran whose completion is batched (see [`run_chain`]).
+    static PENDING: RefCell<Vec<Finished>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Whether the calling thread is one of `engine`'s workers.
@@ -140,16 +143,84 @@ pub(crate) fn find_work(shared: &Shared) -> Option<Work> {
     })
 }
 
-/// Runs `work` and then, for as long as completions hand back a next node, that one.
+/// At most this many finished nodes wait for one completion under the lock.
+const BATCH: usize = 32;
+/// A batch of finished nodes is completed at the latest this long after the first
+/// of them finished, so that long tasks release their dependents at once.
+const BATCH_WINDOW: Duration = Duration::from_micros(20);
+
+/// A node that ran, waiting to be completed.
+pub(crate) type Finished = (NodeId, Outcome, Option<Arc<crate::task::TaskStatus>>);
+
+/// Runs `work`, then more work from this worker's own deque, and completes the
+/// finished nodes in batches: one lock acquisition per batch instead of per node,
+/// which is what keeps two workers running tiny independent nodes from spending
+/// their time handing the engine lock back and forth. A batch closes when it is
+/// full, when the deque is empty, or [`BATCH_WINDOW`] after its first node
+/// finished. The first dependent a completion releases is run next, with no queue
+/// in between, so a chain stays on one thread.
 pub(crate) fn run_chain(shared: &Shared, mut work: Work) {
+    // When the current batch's first node finished; read lazily, so that a chain
+    // (nothing else queued) pays no clock reads.
+    let mut opened: Option<Instant> = None;
     loop {
         let node = work.node;
-        let outcome = execute(work);
-        match shared.complete(node, outcome) {
+        let (outcome, status) = execute(work);
+        let pending = PENDING.with(|p| {
+            let mut p = p.borrow_mut();
+            p.push((node, outcome, status));
+            p.len()
+        });
+        if pending < BATCH {
+            if let Some(more) = pop_local(shared) {
+                let opened_at = *opened.get_or_insert_with(Instant::now);
+                if opened_at.elapsed() < BATCH_WINDOW {
+                    work = more;
+                    continue;
+                }
+                // The window closed: complete the batch, then run what was popped.
+                opened = None;
+                if let Some(next) = complete_pending(shared) {
+                    publish(shared, next);
+                }
+                work = more;
+                continue;
+            }
+        }
+        opened = None;
+        match complete_pending(shared) {
             Some(next) => work = next,
             None => return,
         }
     }
+}
+
+/// Completes the nodes this thread has finished but not yet completed. Called
+/// when a batch closes, and by a blocker inside a task before it waits (the value
+/// it waits for may have been produced by a node in this very batch).
+pub(crate) fn complete_pending(shared: &Shared) -> Option<Work> {
+    let mut batch = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    if batch.is_empty() {
+        return None;
+    }
+    let next = shared.complete(&mut batch);
+    // Give the (now empty) buffer back, keeping its allocation.
+    PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.is_empty() {
+            *p = batch;
+        }
+    });
+    next
+}
+
+/// Pops from this worker's own deque (never from other queues: stolen work would
+/// wait in this batch while its owner could have run it).
+fn pop_local(shared: &Shared) -> Option<Work> {
+    WORKER.with(|w| match &*w.borrow() {
+        Some(c) if c.engine == shared.id => c.local.pop(),
+        _ => None,
+    })
 }
 
 fn execute(work: Work) -> (Outcome, Option<Arc<crate::task::TaskStatus>>) {
