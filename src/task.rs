@@ -40,10 +40,16 @@ pub struct TaskBuilder<'e> {
 /// How a finished task ended, set once under the engine lock before the node
 /// leaves the graph (so a blocker that sees the node gone also sees this).
 pub(crate) struct TaskStatus {
+    /// The node, once it is in the graph (Lazy records wait in the inbox).
+    node: OnceLock<NodeId>,
     done: OnceLock<Option<SharedError>>,
 }
 
 impl TaskStatus {
+    pub(crate) fn set_node(&self, node: NodeId) {
+        let _ = self.node.set(node);
+    }
+
     pub(crate) fn finish(&self, err: Option<SharedError>) {
         let _ = self.done.set(err);
     }
@@ -53,14 +59,12 @@ impl TaskStatus {
 #[derive(Clone)]
 pub struct TaskHandle {
     engine: Engine,
-    node: NodeId,
     status: Arc<TaskStatus>,
 }
 
 impl std::fmt::Debug for TaskHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TaskHandle")
-            .field("node", &self.node)
             .field("finished", &self.is_finished())
             .finish()
     }
@@ -71,13 +75,11 @@ impl TaskHandle {
     /// returns its failure (or the failure that made it skip) if any.
     pub fn wait(&self) -> Result<()> {
         self.engine.counters().blocker(false);
-        let node = self.node;
-        self.engine.shared().wait_for(|g| {
-            if g.is_live(node) {
-                SmallVec::from_slice(&[node])
-            } else {
-                SmallVec::new()
-            }
+        let status = &self.status;
+        // The graph is locked with the inbox applied: the node id is set.
+        self.engine.shared().wait_for(|g| match status.node.get() {
+            Some(&node) if g.is_live(node) => SmallVec::from_slice(&[node]),
+            _ => SmallVec::new(),
         })?;
         match self.status.done.get() {
             Some(None) => Ok(()),
@@ -155,17 +157,14 @@ impl<'e> TaskBuilder<'e> {
     ) -> Result<TaskHandle> {
         let engine = self.engine.clone();
         let status = Arc::new(TaskStatus {
+            node: OnceLock::new(),
             done: OnceLock::new(),
         });
-        let node = self.record(Task {
+        self.record(Task {
             run: Box::new(move || f().map_err(|e| e.to_string())),
             status: Some(status.clone()),
         })?;
-        let handle = TaskHandle {
-            engine,
-            node,
-            status,
-        };
+        let handle = TaskHandle { engine, status };
         if handle.engine.mode() == Mode::Sync {
             if let Some(Some(err)) = handle.status.done.get() {
                 return Err((**err).clone());
@@ -184,20 +183,19 @@ impl<'e> TaskBuilder<'e> {
             }),
             status: None,
         })
-        .map(|_| ())
     }
 
     #[inline]
-    fn record(self, task: Task) -> Result<NodeId> {
+    fn record(self, task: Task) -> Result<()> {
         if self.mismatch {
             return Err(Error::EngineMismatch {
                 op: self.meta.name,
                 location: self.meta.location,
             });
         }
-        Ok(self
-            .engine
+        self.engine
             .shared()
-            .record(self.meta, &self.reads, &self.writes, task))
+            .record(self.meta, self.reads, self.writes, task);
+        Ok(())
     }
 }

@@ -50,7 +50,7 @@ struct VarHandle<T> {
 
 impl<T> Drop for VarHandle<T> {
     fn drop(&mut self) {
-        lock(&self.engine.shared().state).graph.drop_var(self.id);
+        self.engine.shared().drop_var(self.id);
     }
 }
 
@@ -122,7 +122,7 @@ impl<T> Write<T> {
 impl Engine {
     /// Puts `value` under this engine's management.
     pub fn var<T: Send + Sync + 'static>(&self, value: T) -> Var<T> {
-        let id = lock(&self.shared().state).graph.new_var();
+        let id = self.shared().new_var();
         self.var_with_id(id, value)
     }
 
@@ -131,7 +131,7 @@ impl Engine {
         value: T,
         err: SharedError,
     ) -> Var<T> {
-        let id = lock(&self.shared().state).graph.new_poisoned_var(err);
+        let id = self.shared().new_poisoned_var(err);
         self.var_with_id(id, value)
     }
 

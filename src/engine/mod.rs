@@ -9,6 +9,7 @@
 //! - `counters` — relaxed atomics, read only for statistics.
 
 mod builder;
+mod inbox;
 mod stats;
 
 pub use builder::{EngineBuilder, Mode, DEFAULT_HIGH_WATERMARK};
@@ -20,6 +21,7 @@ use crate::graph::{Graph, NodeId, NodeMeta, Outcome, VarId};
 use crate::sched::{self, sleep::Sleep, Task, Work};
 use crate::sync::{lock, Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
 use crossbeam_deque::{Injector, Stealer};
+use inbox::{Entry, Inbox, VAR_CHUNK};
 use smallvec::SmallVec;
 use std::sync::OnceLock;
 use std::thread::JoinHandle;
@@ -64,6 +66,9 @@ pub(crate) struct Locked {
     all_waiters: usize,
     /// Frontend threads stalled by backpressure.
     bp_waiters: usize,
+    /// The backpressure waiters were already woken for the current drain (one
+    /// notification per stall, not one per completion below the low mark).
+    bp_signalled: bool,
     peak_live: usize,
     /// Counted under the lock that is held anyway (no extra shared cache lines
     /// on the hot paths).
@@ -84,6 +89,14 @@ pub(crate) struct Shared {
     /// Release in `EngineInner::drop`, Acquire in the worker loop.
     pub(crate) shutdown: AtomicBool,
     pub(crate) counters: Arc<Counters>,
+    /// Lazy-mode records and Var drops not yet applied to the graph; see
+    /// `inbox.rs`. Lock order: `state`, then `inbox`.
+    inbox: Mutex<Inbox>,
+    /// Entries in the inbox (a hint, Relaxed: exact values are read under the
+    /// inbox lock).
+    inbox_len: std::sync::atomic::AtomicUsize,
+    /// Entries per inbox batch.
+    batch: usize,
 }
 
 static NEXT_ENGINE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -112,6 +125,7 @@ impl Engine {
     }
 
     pub(crate) fn start(config: Config) -> Engine {
+        let (config_high, config_low) = (config.high, config.low);
         let locals: Vec<_> = (0..config.workers)
             .map(|_| crossbeam_deque::Worker::new_lifo())
             .collect();
@@ -123,6 +137,7 @@ impl Engine {
                 graph: Graph::default(),
                 all_waiters: 0,
                 bp_waiters: 0,
+                bp_signalled: false,
                 peak_live: 0,
                 tally: Tally::default(),
             }),
@@ -131,6 +146,9 @@ impl Engine {
             sleep: Sleep::new(),
             shutdown: AtomicBool::new(false),
             counters: Arc::new(Counters::default()),
+            inbox: Mutex::new(Inbox::new()),
+            inbox_len: std::sync::atomic::AtomicUsize::new(0),
+            batch: Inbox::batch(config_high, config_low),
         });
         let threads = locals
             .into_iter()
@@ -187,19 +205,21 @@ impl Engine {
     /// A snapshot of the engine's counters.
     pub fn stats(&self) -> Stats {
         let shared = self.shared();
-        let st = lock(&shared.state);
+        let st = shared.lock_applied();
+        // Ids reserved for future Vars are not Vars yet.
+        let reserved = lock(&shared.inbox).free_vars.len();
         shared.counters.snapshot(
             &st.tally,
             st.graph.live_nodes(),
             st.peak_live,
-            st.graph.tracked_vars(),
+            st.graph.tracked_vars() - reserved,
         )
     }
 
     /// Resets the peak of live nodes reported by [`Engine::stats`] to the current
     /// count.
     pub fn reset_peak(&self) {
-        let mut st = lock(&self.shared().state);
+        let mut st = self.shared().lock_applied();
         st.peak_live = st.graph.live_nodes();
     }
 
@@ -216,7 +236,7 @@ impl Engine {
     /// assert!(engine.to_dot().contains("bump"));
     /// ```
     pub fn to_dot(&self) -> String {
-        lock(&self.shared().state).graph.analysis().to_dot()
+        self.shared().lock_applied().graph.analysis().to_dot()
     }
 }
 
@@ -251,32 +271,58 @@ impl Drop for EngineInner {
 }
 
 impl Shared {
-    /// Records one node. In Async and Sync modes it is demanded at once; Sync also
-    /// waits for it. Stalls at the backpressure high mark (frontend threads only).
+    /// Records one node. In Lazy mode it goes to the inbox (applied to the graph
+    /// in batches); in Async and Sync modes it enters the graph and is demanded at
+    /// once, and Sync also waits for it. Stalls at the backpressure high mark
+    /// (frontend threads only).
     pub(crate) fn record(
         &self,
         meta: NodeMeta,
-        reads: &[VarId],
-        writes: &[VarId],
+        reads: SmallVec<[VarId; 4]>,
+        writes: SmallVec<[VarId; 2]>,
         task: Task,
-    ) -> NodeId {
+    ) {
+        if self.config.mode == Mode::Lazy {
+            let full = {
+                let mut inbox = lock(&self.inbox);
+                inbox.entries.push(Entry::Record {
+                    meta,
+                    reads,
+                    writes,
+                    task,
+                });
+                let n = inbox.entries.len();
+                self.inbox_len
+                    .store(n, std::sync::atomic::Ordering::Relaxed);
+                n >= self.batch
+            };
+            if full {
+                self.commit_batch();
+            }
+            return;
+        }
         let mut pushed = 0;
         let mut st = lock(&self.state);
         if st.graph.live_nodes() >= self.config.high && !sched::on_worker_of(self.id) {
             st = self.backpressure(st);
         }
-        let id = st.graph.record(meta, reads, writes, task);
+        if self.inbox_len.load(std::sync::atomic::Ordering::Relaxed) >= self.batch {
+            self.apply_inbox(&mut st);
+        }
+        let status = task.status.clone();
+        let id = st.graph.record(meta, &reads, &writes, task);
+        if let Some(s) = &status {
+            s.set_node(id);
+        }
         st.tally.recorded += 1;
         let live = st.graph.live_nodes();
         if live > st.peak_live {
             st.peak_live = live;
         }
-        if self.config.mode != Mode::Lazy {
-            st.graph.demand(&[id], &mut |r| {
-                sched::publish(self, r);
-                pushed += 1;
-            });
-        }
+        st.graph.demand(&[id], &mut |r| {
+            sched::publish(self, r);
+            pushed += 1;
+        });
         drop(st);
         self.sleep.wake(pushed);
         if self.config.mode == Mode::Sync {
@@ -284,7 +330,91 @@ impl Shared {
             // values it wrote or its task handle.
             let _ = self.wait_for(|_| SmallVec::from_slice(&[id]));
         }
-        id
+    }
+
+    /// Applies a full inbox, first stalling at the high mark if the frontend is
+    /// that far ahead.
+    #[cold]
+    fn commit_batch(&self) {
+        let mut st = lock(&self.state);
+        let queued = self.inbox_len.load(std::sync::atomic::Ordering::Relaxed);
+        if st.graph.live_nodes() + queued > self.config.high && !sched::on_worker_of(self.id) {
+            st = self.backpressure(st);
+        }
+        self.apply_inbox(&mut st);
+    }
+
+    /// Locks the graph with every deferred record and drop applied.
+    pub(crate) fn lock_applied(&self) -> MutexGuard<'_, Locked> {
+        let mut st = lock(&self.state);
+        self.apply_inbox(&mut st);
+        st
+    }
+
+    /// Moves the inbox into the graph, in order. Called with the graph lock held.
+    fn apply_inbox(&self, st: &mut Locked) {
+        let entries = {
+            let mut inbox = lock(&self.inbox);
+            if inbox.entries.is_empty() {
+                return;
+            }
+            self.inbox_len
+                .store(0, std::sync::atomic::Ordering::Relaxed);
+            std::mem::replace(&mut inbox.entries, Vec::with_capacity(self.batch))
+        };
+        for entry in entries {
+            match entry {
+                Entry::Record {
+                    meta,
+                    reads,
+                    writes,
+                    task,
+                } => {
+                    let status = task.status.clone();
+                    let id = st.graph.record(meta, &reads, &writes, task);
+                    if let Some(s) = status {
+                        s.set_node(id);
+                    }
+                    st.tally.recorded += 1;
+                }
+                Entry::DropVar(v) => st.graph.drop_var(v),
+            }
+        }
+        let live = st.graph.live_nodes();
+        if live > st.peak_live {
+            st.peak_live = live;
+        }
+    }
+
+    /// A new Var id, from the pool reserved in the graph.
+    pub(crate) fn new_var(&self) -> VarId {
+        if let Some(v) = lock(&self.inbox).free_vars.pop() {
+            return v;
+        }
+        let mut st = lock(&self.state);
+        let mut inbox = lock(&self.inbox);
+        if inbox.free_vars.is_empty() {
+            for _ in 0..VAR_CHUNK {
+                let v = st.graph.new_var();
+                inbox.free_vars.push(v);
+            }
+        }
+        inbox.free_vars.pop().expect("just reserved")
+    }
+
+    /// A new Var id that is poisoned from the start.
+    pub(crate) fn new_poisoned_var(&self, err: crate::error::SharedError) -> VarId {
+        let v = self.new_var();
+        lock(&self.state).graph.poison_var(v, err);
+        v
+    }
+
+    /// Forgets a Var whose last handle is gone, after every record that named it.
+    pub(crate) fn drop_var(&self, var: VarId) {
+        let mut inbox = lock(&self.inbox);
+        inbox.entries.push(Entry::DropVar(var));
+        self.inbox_len
+            .store(inbox.entries.len(), std::sync::atomic::Ordering::Relaxed);
     }
 
     #[cold]
@@ -302,6 +432,7 @@ impl Shared {
             self.sleep.wake(pushed);
         }
         st.bp_waiters += 1;
+        st.bp_signalled = false;
         while st.graph.live_nodes() > self.config.low {
             st = wait(&self.changed, st);
         }
@@ -339,9 +470,11 @@ impl Shared {
                 notify |= waited;
             }
             let live = st.graph.live_nodes();
-            notify
-                || (st.all_waiters > 0 && live == 0)
-                || (st.bp_waiters > 0 && live <= self.config.low)
+            let drained = st.bp_waiters > 0 && !st.bp_signalled && live <= self.config.low;
+            if drained {
+                st.bp_signalled = true;
+            }
+            notify || drained || (st.all_waiters > 0 && live == 0)
         };
         if notify {
             self.changed.notify_all();
@@ -371,7 +504,7 @@ impl Shared {
                 self.sleep.wake(1);
             }
         }
-        let mut st = lock(&self.state);
+        let mut st = self.lock_applied();
         let roots = targets(&st.graph);
         if roots.is_empty() {
             return Ok(());
@@ -414,7 +547,7 @@ impl Shared {
                 return Err(deadlock_error(meta));
             }
         }
-        let mut st = lock(&self.state);
+        let mut st = self.lock_applied();
         let mut pushed = 0;
         st.graph.demand_all(&mut |r| {
             sched::publish(self, r);

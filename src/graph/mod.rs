@@ -131,16 +131,6 @@ impl<J> Graph<J> {
         })
     }
 
-    /// Starts tracking a Var that is poisoned from the start (an op whose inputs
-    /// were rejected at record time by an operator that cannot return `Err`).
-    pub(crate) fn new_poisoned_var(&mut self, err: SharedError) -> VarId {
-        self.vars.insert(VarTrack {
-            prune_at: PRUNE_MIN,
-            poison: Some(err),
-            ..VarTrack::default()
-        })
-    }
-
     /// Stops tracking a Var whose last handle is gone: no new node can name it.
     /// Pending accesses keep the data itself alive.
     pub(crate) fn drop_var(&mut self, var: VarId) {
@@ -370,6 +360,14 @@ impl<J> Graph<J> {
     /// The failure that poisons `var`, once its last writer finished.
     pub(crate) fn poison_of(&self, var: VarId) -> Option<SharedError> {
         self.vars.get(var).and_then(|t| t.poison.clone())
+    }
+
+    /// Poisons a Var that no node has touched yet (a value rejected at record
+    /// time by an operator that cannot return `Err`).
+    pub(crate) fn poison_var(&mut self, var: VarId, err: SharedError) {
+        if let Some(t) = self.vars.get_mut(var) {
+            t.poison = Some(err);
+        }
     }
 
     pub(crate) fn analysis(&self) -> Analysis {
