@@ -43,7 +43,9 @@ mod var;
 
 pub use benchmark::Benchmark;
 pub use device::Device;
-pub use engine::{Engine, EngineBuilder, Mode, Stats, DEFAULT_HIGH_WATERMARK};
+pub use engine::{
+    Engine, EngineBuilder, Mode, Stats, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK,
+};
 pub use error::{Error, Location, Result};
 pub use task::{TaskBuilder, TaskHandle};
 pub use tensor::{Shape, Tensor};

@@ -31,6 +31,8 @@ pub(crate) enum Entry {
 /// What the inbox lock protects.
 pub(crate) struct Inbox {
     pub(crate) entries: Vec<Entry>,
+    /// An emptied entry buffer kept for the next swap (no allocation per batch).
+    pub(crate) spare: Vec<Entry>,
     /// Var ids reserved in the graph and not yet handed out.
     pub(crate) free_vars: Vec<VarId>,
 }
@@ -42,6 +44,7 @@ impl Inbox {
     pub(crate) fn new() -> Self {
         Inbox {
             entries: Vec::new(),
+            spare: Vec::new(),
             free_vars: Vec::new(),
         }
     }

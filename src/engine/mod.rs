@@ -12,7 +12,7 @@ mod builder;
 mod inbox;
 mod stats;
 
-pub use builder::{EngineBuilder, Mode, DEFAULT_HIGH_WATERMARK};
+pub use builder::{EngineBuilder, Mode, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK};
 pub use stats::Stats;
 pub(crate) use stats::{Counters, Tally};
 
@@ -360,9 +360,11 @@ impl Shared {
             }
             self.inbox_len
                 .store(0, std::sync::atomic::Ordering::Relaxed);
-            std::mem::replace(&mut inbox.entries, Vec::with_capacity(self.batch))
+            let spare = std::mem::take(&mut inbox.spare);
+            std::mem::replace(&mut inbox.entries, spare)
         };
-        for entry in entries {
+        let mut entries = entries;
+        for entry in entries.drain(..) {
             match entry {
                 Entry::Record {
                     meta,
@@ -383,6 +385,11 @@ impl Shared {
         let live = st.graph.live_nodes();
         if live > st.peak_live {
             st.peak_live = live;
+        }
+        // Keep the emptied buffer for the next swap: no allocation per batch.
+        let mut inbox = lock(&self.inbox);
+        if inbox.spare.capacity() < entries.capacity() {
+            inbox.spare = entries;
         }
     }
 
