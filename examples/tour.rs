@@ -243,6 +243,7 @@ fn sync_vs_async(sizes: &Sizes) -> lazyflow::Result<Loops> {
     let measure =
         |name: &str, body: &dyn Fn(bool) -> lazyflow::Result<()>| -> lazyflow::Result<LoopTimes> {
             body(false)?; // warm-up
+            engine.wait_all()?;
             let k0 = kernels(&engine);
             let timer = Benchmark::new(&engine, format!("{name}, wait_to_read after each"));
             body(true)?;
