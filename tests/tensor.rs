@@ -40,6 +40,28 @@ fn data(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// Asserts `err` is the shape error of adding a `[2, 3]` and a `[4]` tensor,
+/// recorded in this file (at `line`, when given).
+#[track_caller]
+fn assert_add_shape_error(err: &Error, line: Option<u32>) {
+    match err {
+        Error::Shape {
+            op,
+            shapes,
+            location,
+            ..
+        } => {
+            assert_eq!(*op, "add");
+            assert_eq!(shapes, "[2, 3] and [4]");
+            assert_eq!(location.file(), file!());
+            if let Some(line) = line {
+                assert_eq!(location.line(), line);
+            }
+        }
+        other => panic!("expected a shape error, got {other:?}"),
+    }
+}
+
 /// Row-major multi-index of flat index `i` in `shape`.
 fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
     let mut idx = vec![0; shape.len()];
@@ -1164,20 +1186,7 @@ fn shape_error_names_op_shapes_and_the_recording_location() {
     let b = Tensor::zeros_in(&e, [4]);
     let line = line!();
     let err = a.add(&b).unwrap_err();
-    match &err {
-        Error::Shape {
-            op,
-            shapes,
-            location,
-            ..
-        } => {
-            assert_eq!(*op, "add");
-            assert_eq!(shapes, "[2, 3] and [4]");
-            assert_eq!(location.file(), file!());
-            assert_eq!(location.line(), line + 1);
-        }
-        other => panic!("expected a shape error, got {other:?}"),
-    }
+    assert_add_shape_error(&err, Some(line + 1));
     let msg = err.to_string();
     for needle in [
         "add",
@@ -1355,38 +1364,14 @@ fn operator_shape_errors_poison_the_result_and_its_dependents() {
         let line = line!();
         let bad = &a + &b;
         let err = bad.to_vec().unwrap_err();
-        match &err {
-            Error::Shape {
-                op,
-                shapes,
-                location,
-                ..
-            } => {
-                assert_eq!(*op, "add");
-                assert_eq!(shapes, "[2, 3] and [4]");
-                assert_eq!(location.file(), file!());
-                assert_eq!(location.line(), line + 1);
-            }
-            other => panic!("{mode:?}: expected a shape error, got {other:?}"),
-        }
+        assert_add_shape_error(&err, Some(line + 1));
         assert!(bad.wait_to_read().is_err());
         assert!(format!("{bad}").contains("error"), "{bad}");
         // Everything computed from it fails with the same error.
         let derived = bad.exp();
         assert_eq!(derived.to_vec().unwrap_err().to_string(), err.to_string());
         let fresh = (&a + &b).exp();
-        match fresh.to_vec().unwrap_err() {
-            Error::Shape {
-                op: "add",
-                shapes,
-                location,
-                ..
-            } => {
-                assert_eq!(shapes, "[2, 3] and [4]");
-                assert_eq!(location.file(), file!());
-            }
-            other => panic!("{mode:?}: expected the add error, got {other:?}"),
-        }
+        assert_add_shape_error(&fresh.to_vec().unwrap_err(), None);
         let deeper = (bad.sum() * 2.0).sqrt();
         assert_eq!(deeper.item().unwrap_err().to_string(), err.to_string());
         let mixed = bad.matmul(&Tensor::ones_in(&e, [3, 1])).unwrap();
