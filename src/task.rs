@@ -1,5 +1,6 @@
 //! Generic tasks: any CPU closure with declared reads and writes, recorded as a node.
 
+use crate::device::Device;
 use crate::engine::{Engine, Mode};
 use crate::error::{Error, Location, Result, SharedError};
 use crate::graph::{NodeId, NodeMeta};
@@ -106,7 +107,11 @@ impl Engine {
     pub(crate) fn task_at(&self, name: &'static str, location: Location) -> TaskBuilder<'_> {
         TaskBuilder {
             engine: self,
-            meta: NodeMeta { name, location },
+            meta: NodeMeta {
+                name,
+                location,
+                device: Device::Cpu,
+            },
             reads: SmallVec::new(),
             writes: SmallVec::new(),
             mismatch: false,
@@ -132,6 +137,12 @@ impl<'e> TaskBuilder<'e> {
             self.writes.push(var.id());
         }
         var.write_token()
+    }
+
+    /// Sets the device the task runs on (default: [`Device::Cpu`]).
+    pub fn device(&mut self, device: Device) -> &mut Self {
+        self.meta.device = device;
+        self
     }
 
     fn check<T>(&mut self, var: &Var<T>) {

@@ -61,9 +61,10 @@ impl Analysis {
             let style = if *demanded { ", style=bold" } else { "" };
             let _ = writeln!(
                 out,
-                "  n{} [label=\"{}\\n{}\"{}];",
+                "  n{} [label=\"{} ({})\\n{}\"{}];",
                 i.index(),
                 meta.name.escape_default(),
+                meta.device,
                 meta.location.to_string().escape_default(),
                 style
             );

@@ -33,6 +33,8 @@ new_key_type! {
 pub(crate) struct NodeMeta {
     pub(crate) name: &'static str,
     pub(crate) location: Location,
+    /// Where the node runs; the graph and the scheduler never look at it.
+    pub(crate) device: crate::device::Device,
 }
 
 /// How a node ended.

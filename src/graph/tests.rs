@@ -4,6 +4,7 @@ fn meta(name: &'static str) -> NodeMeta {
     NodeMeta {
         name,
         location: Location::caller(),
+        device: crate::device::Device::Cpu,
     }
 }
 

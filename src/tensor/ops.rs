@@ -110,6 +110,7 @@ impl Tensor {
     ) -> Tensor {
         let out = self.output(shape);
         let mut t = self.engine().task_at(name, location);
+        t.device(self.device);
         let a = t.read(&self.var);
         let o = t.write(&out.var);
         // Cannot fail: both Vars belong to this engine.
@@ -131,6 +132,7 @@ impl Tensor {
     ) -> Result<Tensor> {
         let out = self.output(shape);
         let mut t = self.engine().task_at(name, location);
+        t.device(self.device);
         let a = t.read(&self.var);
         let o = t.write(&out.var);
         if self.same_data(other) {
@@ -161,6 +163,7 @@ impl Tensor {
         f: impl FnOnce(&mut Vec<f32>, &[f32]) + Send + 'static,
     ) -> Result<()> {
         let mut t = self.engine().task_at(name, location);
+        t.device(self.device);
         kind.declare(&mut t, &self.var);
         let w = t.write(&self.var);
         if self.same_data(other) {
@@ -184,6 +187,7 @@ impl Tensor {
         f: impl FnOnce(&mut Vec<f32>) + Send + 'static,
     ) {
         let mut t = self.engine().task_at(name, location);
+        t.device(self.device);
         kind.declare(&mut t, &self.var);
         let w = t.write(&self.var);
         // Cannot fail: one Var of this engine.
@@ -739,6 +743,7 @@ impl Tensor {
         dims[axis] = tensors.iter().map(|t| t.dims()[axis]).sum();
         let out = first.output(Shape::from(dims));
         let mut task = first.engine().task_at("concat", location);
+        task.device(first.device);
         let inputs: Vec<_> = tensors
             .iter()
             .map(|t| (task.read(&t.var), t.shape.clone()))
@@ -831,6 +836,7 @@ macro_rules! operator {
                 let location = Location::caller();
                 if let Err(e) = self.inplace_at(rhs, BinaryOp::$op, $inplace, location) {
                     let mut t = self.engine().task_at($inplace, location);
+                    t.device(self.device);
                     let _w = t.write(&self.var);
                     let message = e.to_string();
                     let _ = t.try_run(move || Err(message));
