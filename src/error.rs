@@ -90,6 +90,16 @@ pub enum Error {
         /// Where the frontend recorded the op.
         location: Location,
     },
+    /// The op has no kernel on the device of its operands yet.
+    #[error("{op}: not supported on {device} (recorded at {location})")]
+    Unsupported {
+        /// The op that was being recorded.
+        op: &'static str,
+        /// The device.
+        device: String,
+        /// Where the frontend recorded the op.
+        location: Location,
+    },
     /// Values from two different engines were combined in one op.
     #[error("{op}: operands belong to different engines (recorded at {location})")]
     EngineMismatch {

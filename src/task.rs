@@ -196,6 +196,17 @@ impl<'e> TaskBuilder<'e> {
         })
     }
 
+    /// Like [`TaskBuilder::push`] for a closure that can fail with a message.
+    pub(crate) fn push_fallible(
+        self,
+        f: impl FnOnce() -> std::result::Result<(), String> + Send + 'static,
+    ) -> Result<()> {
+        self.record(Task {
+            run: Box::new(f),
+            status: None,
+        })
+    }
+
     #[inline]
     fn record(self, task: Task) -> Result<()> {
         if self.mismatch {

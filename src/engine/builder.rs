@@ -61,6 +61,8 @@ pub struct EngineBuilder {
     mode: Option<Mode>,
     workers: Option<usize>,
     watermarks: Option<(usize, usize)>,
+    backends: Option<String>,
+    logical_devices: Option<usize>,
     ignore_env: bool,
 }
 
@@ -88,6 +90,22 @@ impl EngineBuilder {
     /// `low` remain (in Lazy mode it first flushes everything recorded).
     pub fn backpressure(mut self, high: usize, low: usize) -> Self {
         self.watermarks = Some((high, low));
+        self
+    }
+
+    /// Which wgpu backends to look for GPUs on: a comma-separated list of
+    /// `vulkan`, `metal`, `dx12`, `gl`, or `all` (the default) or `none`. Also
+    /// `LAZYFLOW_BACKENDS`. An adapter seen through several backends is listed
+    /// once (Vulkan first) unless only the others are asked for.
+    pub fn backends(mut self, backends: &str) -> Self {
+        self.backends = Some(backends.to_string());
+        self
+    }
+
+    /// Opens `n` logical devices (each its own wgpu Device and in-order Queue) on
+    /// every GPU adapter: how multi-device parallelism is shown on one GPU.
+    pub fn logical_devices(mut self, n: usize) -> Self {
+        self.logical_devices = Some(n);
         self
     }
 
@@ -131,11 +149,19 @@ impl EngineBuilder {
                 "backpressure watermarks must satisfy 0 <= low <= high, 0 < high (got high {high}, low {low})"
             )));
         }
+        let backends = match (self.backends, env("LAZYFLOW_BACKENDS")) {
+            (Some(b), _) | (None, Some(b)) => crate::device::gpu::parse_backends(&b)
+                .map_err(|e| Error::Config(format!("backends {b:?}: {e}")))?,
+            (None, None) => wgpu::Backends::all(),
+        };
+        let logical_devices = self.logical_devices.unwrap_or(1);
         Ok(Engine::start(Config {
             mode,
             workers,
             high,
             low,
+            backends,
+            logical_devices,
         }))
     }
 }

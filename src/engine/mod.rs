@@ -16,6 +16,7 @@ pub use builder::{EngineBuilder, Mode, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATER
 pub use stats::Stats;
 pub(crate) use stats::{Counters, Tally};
 
+use crate::device::{gpu::Gpu, Device, GpuInfo};
 use crate::error::{Error, Location, Result};
 use crate::graph::{Graph, NodeId, NodeMeta, Outcome, VarId};
 use crate::sched::{self, sleep::Sleep, Task, Work};
@@ -57,6 +58,10 @@ pub(crate) struct Config {
     /// Backpressure: recording stalls at `high` live nodes until `low` remain.
     pub(crate) high: usize,
     pub(crate) low: usize,
+    /// wgpu backends to look for GPU adapters on.
+    pub(crate) backends: wgpu::Backends,
+    /// Logical devices (wgpu Device + Queue) opened per adapter.
+    pub(crate) logical_devices: usize,
 }
 
 /// What the lock protects.
@@ -97,6 +102,8 @@ pub(crate) struct Shared {
     inbox_len: std::sync::atomic::AtomicUsize,
     /// Entries per inbox batch.
     batch: usize,
+    /// GPU devices, opened on first use (opening one takes tens of milliseconds).
+    gpus: OnceLock<Vec<Arc<Gpu>>>,
 }
 
 static NEXT_ENGINE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -149,6 +156,7 @@ impl Engine {
             inbox: Mutex::new(Inbox::new()),
             inbox_len: std::sync::atomic::AtomicUsize::new(0),
             batch: Inbox::batch(config_high, config_low),
+            gpus: OnceLock::new(),
         });
         let threads = locals
             .into_iter()
@@ -199,7 +207,50 @@ impl Engine {
     /// since that task itself is unfinished.
     pub fn wait_all(&self) -> Result<()> {
         self.counters().blocker(false);
-        self.shared().wait_all()
+        self.shared().wait_all()?;
+        // GPU nodes complete when encoded: wait for the devices too.
+        for gpu in self.shared().opened_gpus() {
+            gpu.synchronize().map_err(|message| Error::Failed {
+                op: "wait_all".to_string(),
+                location: Location::caller(),
+                message: format!("{}: {message}", gpu.info.name),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Every device of this engine: the CPU first, then one per GPU adapter found
+    /// (times the logical devices asked for per adapter). GPUs are looked for and
+    /// opened on the first call.
+    pub fn devices(&self) -> Vec<Device> {
+        let n = self.shared().gpus().len();
+        std::iter::once(Device::Cpu)
+            .chain((0..n).map(Device::Gpu))
+            .collect()
+    }
+
+    /// What a GPU device is (`None` for the CPU or an unknown index).
+    pub fn gpu_info(&self, device: Device) -> Option<GpuInfo> {
+        match device {
+            Device::Gpu(i) => self.shared().gpus().get(i).map(|g| g.info.clone()),
+            Device::Cpu => None,
+        }
+    }
+
+    /// A one-line description of a device, e.g. `cpu (2 workers)` or
+    /// `llvmpipe (LLVM 15.0.6, 256 bits) via vulkan, logical device 0`.
+    pub fn describe(&self, device: Device) -> String {
+        match device {
+            Device::Cpu => format!("cpu ({} workers)", self.workers()),
+            Device::Gpu(_) => match self.gpu_info(device) {
+                Some(i) => format!("{} via {}, logical device {}", i.name, i.backend, i.logical),
+                None => format!("{device} (no such device)"),
+            },
+        }
+    }
+
+    pub(crate) fn gpu(&self, index: usize) -> Option<&Arc<Gpu>> {
+        self.shared().gpus().get(index)
     }
 
     /// A snapshot of the engine's counters.
@@ -342,6 +393,17 @@ impl Shared {
             st = self.backpressure(st);
         }
         self.apply_inbox(&mut st);
+    }
+
+    fn gpus(&self) -> &[Arc<Gpu>] {
+        self.gpus.get_or_init(|| {
+            crate::device::gpu::discover(self.config.backends, self.config.logical_devices)
+        })
+    }
+
+    /// The GPUs opened so far (none if nothing asked for one).
+    fn opened_gpus(&self) -> &[Arc<Gpu>] {
+        self.gpus.get().map_or(&[], |g| g.as_slice())
     }
 
     /// Locks the graph with every deferred record and drop applied.

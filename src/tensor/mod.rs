@@ -11,17 +11,58 @@
 //! which the next blocker on it (or on anything computed from it) returns. Use the
 //! named methods ([`Tensor::add`], ...) to get the error at the call site.
 
+mod gpu_ops;
 pub(crate) mod kernels;
 mod ops;
 mod shape;
 
 pub use shape::Shape;
 
-use crate::device::Device;
+use crate::device::{gpu::Gpu, Device};
 use crate::engine::Engine;
 use crate::error::{Error, Location, Result};
 use crate::var::Var;
 use std::fmt;
+use std::sync::Arc;
+
+/// A tensor's storage: host memory, or a buffer on the tensor's GPU.
+#[derive(Debug)]
+pub(crate) enum Data {
+    Host(Vec<f32>),
+    Gpu(wgpu::Buffer),
+}
+
+impl Default for Data {
+    /// The placeholder an op's output holds until the op runs.
+    fn default() -> Self {
+        Data::Host(Vec::new())
+    }
+}
+
+impl Data {
+    /// The host data. A device mismatch is caught when an op is recorded, so the
+    /// error here is a defence, reported as the node's failure.
+    pub(crate) fn host(&self) -> std::result::Result<&Vec<f32>, String> {
+        match self {
+            Data::Host(v) => Ok(v),
+            Data::Gpu(_) => Err("expected host data, found a GPU buffer".to_string()),
+        }
+    }
+
+    pub(crate) fn host_mut(&mut self) -> std::result::Result<&mut Vec<f32>, String> {
+        match self {
+            Data::Host(v) => Ok(v),
+            Data::Gpu(_) => Err("expected host data, found a GPU buffer".to_string()),
+        }
+    }
+
+    pub(crate) fn gpu(&self) -> std::result::Result<&wgpu::Buffer, String> {
+        match self {
+            Data::Gpu(b) => Ok(b),
+            Data::Host(_) => Err("expected a GPU buffer, found host data".to_string()),
+        }
+    }
+}
 
 /// An `f32` tensor on a device, computed by the engine that owns it.
 ///
@@ -38,7 +79,7 @@ use std::fmt;
 #[derive(Clone)]
 pub struct Tensor {
     pub(crate) shape: Shape,
-    pub(crate) var: Var<Vec<f32>>,
+    pub(crate) var: Var<Data>,
     pub(crate) device: Device,
 }
 
@@ -68,12 +109,6 @@ impl Tensor {
         self.var.engine()
     }
 
-    /// The Var that holds the data, for generic tasks that read or write a tensor
-    /// (the data is a row-major `Vec<f32>` of [`Tensor::numel`] elements).
-    pub fn var(&self) -> &Var<Vec<f32>> {
-        &self.var
-    }
-
     /// Whether two tensors share their data.
     pub fn same_data(&self, other: &Tensor) -> bool {
         self.var.same(&other.var)
@@ -96,7 +131,7 @@ impl Tensor {
         }
         Ok(Tensor {
             shape,
-            var: engine.var(data),
+            var: engine.var(Data::Host(data)),
             device: Device::Cpu,
         })
     }
@@ -123,7 +158,7 @@ impl Tensor {
     pub fn scalar_in(engine: &Engine, value: f32) -> Tensor {
         Tensor {
             shape: Shape::scalar(),
-            var: engine.var(vec![value]),
+            var: engine.var(Data::Host(vec![value])),
             device: Device::Cpu,
         }
     }
@@ -284,13 +319,13 @@ impl Tensor {
         let n = shape.numel();
         let out = Tensor {
             shape,
-            var: engine.var(Vec::new()),
+            var: engine.var(Data::default()),
             device: Device::Cpu,
         };
         let mut t = engine.task_at(name, location);
         let o = t.write(&out.var);
         // Cannot fail: the only Var belongs to `engine`.
-        let _ = t.push(move || *o.write() = f(n));
+        let _ = t.push(move || *o.write() = Data::Host(f(n)));
         out
     }
 
@@ -302,30 +337,121 @@ impl Tensor {
         self.var.wait_to_read()
     }
 
-    /// Implicit blocker: the data, row-major.
+    /// Implicit blocker: the data, row-major. A tensor on a GPU is copied to the
+    /// host by a transfer node first.
+    #[track_caller]
     pub fn to_vec(&self) -> Result<Vec<f32>> {
-        self.var.get()
+        let location = Location::caller();
+        self.on_host(location)?.read_host(location, |v| v.to_vec())
     }
 
     /// Implicit blocker: the value of a one-element tensor.
     #[track_caller]
     pub fn item(&self) -> Result<f32> {
+        let location = Location::caller();
         if self.numel() != 1 {
             return Err(Error::InvalidArgument {
                 op: "item",
                 shape: self.shape.to_string(),
                 reason: format!("needs exactly one element, the tensor has {}", self.numel()),
-                location: Location::caller(),
+                location,
             });
         }
-        self.var.with(|v| v[0])
+        self.on_host(location)?.read_host(location, |v| v[0])
+    }
+
+    /// This tensor, or a copy of it on the host.
+    fn on_host(&self, location: Location) -> Result<Tensor> {
+        match self.device {
+            Device::Cpu => Ok(self.clone()),
+            _ => self.to_at(Device::Cpu, location),
+        }
+    }
+
+    fn read_host<R>(&self, location: Location, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+        self.var
+            .with(|d| d.host().map(|v| f(v)))?
+            .map_err(|message| Error::Failed {
+                op: "read".to_string(),
+                location,
+                message,
+            })
+    }
+
+    /// A copy of this tensor on `device`, made by a transfer node (upload,
+    /// readback, or both for GPU to GPU), so that it overlaps with other work.
+    /// On the same device it returns the tensor itself (shared data).
+    ///
+    /// ```
+    /// use lazyflow::{Device, Engine, Tensor};
+    /// let engine = Engine::builder().workers(1).build().unwrap();
+    /// let x = Tensor::arange_in(&engine, 0.0, 4.0, 1.0);
+    /// for device in engine.devices() {
+    ///     let y = (x.to(device).unwrap() * 2.0).to(Device::Cpu).unwrap();
+    ///     assert_eq!(y.to_vec().unwrap(), vec![0.0, 2.0, 4.0, 6.0]);
+    /// }
+    /// ```
+    #[track_caller]
+    pub fn to(&self, device: Device) -> Result<Tensor> {
+        self.to_at(device, Location::caller())
+    }
+
+    fn to_at(&self, device: Device, location: Location) -> Result<Tensor> {
+        if device == self.device {
+            return Ok(self.clone());
+        }
+        let gpu_of = |d: Device| -> Result<Option<Arc<Gpu>>> {
+            match d {
+                Device::Cpu => Ok(None),
+                Device::Gpu(i) => match self.engine().gpu(i) {
+                    Some(g) => Ok(Some(g.clone())),
+                    None => Err(Error::InvalidArgument {
+                        op: "to",
+                        shape: self.shape.to_string(),
+                        reason: format!("{d} does not exist (see Engine::devices)"),
+                        location,
+                    }),
+                },
+            }
+        };
+        let (src, dst) = (gpu_of(self.device)?, gpu_of(device)?);
+        let n = self.numel();
+        if let Some(g) = &dst {
+            g.check_size("to", &self.shape, location)?;
+        }
+        let out = Tensor {
+            shape: self.shape.clone(),
+            var: self.engine().var(Data::default()),
+            device,
+        };
+        let mut t = self.engine().task_at("to", location);
+        t.device(device);
+        let r = t.read(&self.var);
+        let w = t.write(&out.var);
+        t.push_fallible(move || {
+            let host: Vec<f32> = match &src {
+                None => r.read().host()?.clone(),
+                Some(g) => g.read(r.read().gpu()?, n)?,
+            };
+            let data = match &dst {
+                None => Data::Host(host),
+                Some(g) => Data::Gpu(g.upload(&host)?),
+            };
+            *w.write() = data;
+            Ok(())
+        })?;
+        Ok(out)
     }
 }
 
 /// Printing is an implicit blocker. A poisoned tensor prints its error.
 impl fmt::Display for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.var.with(|v| format_data(v, self.dims())) {
+        let location = Location::caller();
+        let body = self
+            .on_host(location)
+            .and_then(|h| h.read_host(location, |v| format_data(v, self.dims())));
+        match body {
             Ok(body) => write!(
                 f,
                 "tensor({body}, shape={}, device={})",

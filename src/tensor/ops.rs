@@ -1,7 +1,8 @@
 //! Tensor ops: record-time validation, then one node per op.
 
 use super::kernels::{self, BinaryOp, ReduceOp, UnaryOp};
-use super::{Shape, Tensor};
+use super::{Data, Shape, Tensor};
+use crate::device::Device;
 use crate::error::{shapes_list, Error, Location, Result};
 use std::ops;
 use std::sync::Arc;
@@ -47,7 +48,7 @@ enum Update {
 }
 
 impl Update {
-    fn declare(self, t: &mut crate::task::TaskBuilder<'_>, var: &crate::var::Var<Vec<f32>>) {
+    fn declare(self, t: &mut crate::task::TaskBuilder<'_>, var: &crate::var::Var<Data>) {
         if let Update::ReadModifyWrite = self {
             // Only the dependency matters; the task reads through its write token.
             drop(t.read(var));
@@ -83,10 +84,10 @@ impl Tensor {
         Ok(())
     }
 
-    fn output(&self, shape: Shape) -> Tensor {
+    pub(super) fn output(&self, shape: Shape) -> Tensor {
         Tensor {
             shape,
-            var: self.engine().var(Vec::new()),
+            var: self.engine().var(Data::default()),
             device: self.device,
         }
     }
@@ -95,7 +96,7 @@ impl Tensor {
     fn poisoned(&self, err: Error) -> Tensor {
         Tensor {
             shape: self.shape.clone(),
-            var: self.engine().poisoned_var(Vec::new(), Arc::new(err)),
+            var: self.engine().poisoned_var(Data::default(), Arc::new(err)),
             device: self.device,
         }
     }
@@ -108,15 +109,21 @@ impl Tensor {
         shape: Shape,
         f: impl FnOnce(&[f32]) -> Vec<f32> + Send + 'static,
     ) -> Tensor {
+        if self.device != Device::Cpu {
+            let mut out = self.poisoned(self.unsupported(name, location));
+            out.shape = shape;
+            return out;
+        }
         let out = self.output(shape);
         let mut t = self.engine().task_at(name, location);
         t.device(self.device);
         let a = t.read(&self.var);
         let o = t.write(&out.var);
         // Cannot fail: both Vars belong to this engine.
-        let _ = t.push(move || {
-            let v = f(&a.read());
-            *o.write() = v;
+        let _ = t.push_fallible(move || {
+            let v = f(a.read().host()?);
+            *o.write() = Data::Host(v);
+            Ok(())
         });
         out
     }
@@ -130,24 +137,30 @@ impl Tensor {
         shape: Shape,
         f: impl FnOnce(&[f32], &[f32]) -> Vec<f32> + Send + 'static,
     ) -> Result<Tensor> {
+        if self.device != Device::Cpu {
+            return Err(self.unsupported(name, location));
+        }
         let out = self.output(shape);
         let mut t = self.engine().task_at(name, location);
         t.device(self.device);
         let a = t.read(&self.var);
         let o = t.write(&out.var);
         if self.same_data(other) {
-            t.push(move || {
+            t.push_fallible(move || {
                 let v = {
                     let g = a.read();
-                    f(&g, &g)
+                    let g = g.host()?;
+                    f(g, g)
                 };
-                *o.write() = v;
+                *o.write() = Data::Host(v);
+                Ok(())
             })?;
         } else {
             let b = t.read(&other.var);
-            t.push(move || {
-                let v = f(&a.read(), &b.read());
-                *o.write() = v;
+            t.push_fallible(move || {
+                let v = f(a.read().host()?, b.read().host()?);
+                *o.write() = Data::Host(v);
+                Ok(())
             })?;
         }
         Ok(out)
@@ -162,19 +175,27 @@ impl Tensor {
         kind: Update,
         f: impl FnOnce(&mut Vec<f32>, &[f32]) + Send + 'static,
     ) -> Result<()> {
+        if self.device != Device::Cpu {
+            return Err(self.unsupported(name, location));
+        }
         let mut t = self.engine().task_at(name, location);
         t.device(self.device);
         kind.declare(&mut t, &self.var);
         let w = t.write(&self.var);
         if self.same_data(other) {
-            t.push(move || {
+            t.push_fallible(move || {
                 let mut g = w.write();
+                let g = g.host_mut()?;
                 let b = g.clone();
-                f(&mut g, &b);
+                f(g, &b);
+                Ok(())
             })
         } else {
             let b = t.read(&other.var);
-            t.push(move || f(&mut w.write(), &b.read()))
+            t.push_fallible(move || {
+                f(w.write().host_mut()?, b.read().host()?);
+                Ok(())
+            })
         }
     }
 
@@ -190,8 +211,21 @@ impl Tensor {
         t.device(self.device);
         kind.declare(&mut t, &self.var);
         let w = t.write(&self.var);
+        if self.device != Device::Cpu {
+            // No GPU kernel yet: the update fails at run time and poisons `self`,
+            // since this method cannot return the error.
+            let message = self.unsupported(name, location).to_string();
+            let _ = t.push_fallible(move || {
+                drop(w);
+                Err(message)
+            });
+            return;
+        }
         // Cannot fail: one Var of this engine.
-        let _ = t.push(move || f(&mut w.write()));
+        let _ = t.push_fallible(move || {
+            f(w.write().host_mut()?);
+            Ok(())
+        });
     }
 
     // ----- elementwise ------------------------------------------------------
@@ -207,6 +241,9 @@ impl Tensor {
                 location,
             )
         })?;
+        if let Some(gpu) = self.gpu(name, location)? {
+            return self.gpu_binary(gpu, other, op, out_shape, location);
+        }
         let (sa, sb, so) = (self.shape.clone(), other.shape.clone(), out_shape.clone());
         self.map2(other, name, location, out_shape, move |a, b| {
             let mut out = vec![0.0; so.numel()];
@@ -216,6 +253,11 @@ impl Tensor {
     }
 
     fn scalar_at(&self, s: f32, op: BinaryOp, scalar_left: bool, location: Location) -> Tensor {
+        match self.gpu(op.name(), location) {
+            Ok(Some(gpu)) => return self.gpu_scalar(gpu, s, op, scalar_left, location),
+            Ok(None) => {}
+            Err(e) => return self.poisoned(e),
+        }
         self.map1(op.name(), location, self.shape.clone(), move |a| {
             let mut out = vec![0.0; a.len()];
             if scalar_left {
@@ -228,6 +270,11 @@ impl Tensor {
     }
 
     fn unary_at(&self, op: UnaryOp, location: Location) -> Tensor {
+        match self.gpu(op.name(), location) {
+            Ok(Some(gpu)) => return self.gpu_unary(gpu, op, location),
+            Ok(None) => {}
+            Err(e) => return self.poisoned(e),
+        }
         self.map1(op.name(), location, self.shape.clone(), move |a| {
             let mut out = vec![0.0; a.len()];
             kernels::unary(op, a, &mut out);
@@ -721,6 +768,9 @@ impl Tensor {
             ));
         };
         first.check_device("concat", &tensors[1..], location)?;
+        if first.device != Device::Cpu {
+            return Err(first.unsupported("concat", location));
+        }
         check_axis("concat", &first.shape, axis, location)?;
         let shapes: Vec<&Shape> = tensors.iter().map(|t| &t.shape).collect();
         let fits = |s: &Shape| {
@@ -750,17 +800,18 @@ impl Tensor {
             .collect();
         let o = task.write(&out.var);
         let n = out.numel();
-        task.push(move || {
+        task.push_fallible(move || {
             let guards: Vec<_> = inputs.iter().map(|(r, s)| (r.read(), s)).collect();
-            let parts: Vec<(&[f32], &[usize])> = guards
-                .iter()
-                .map(|(g, s)| (g.as_slice(), s.dims()))
-                .collect();
+            let mut parts: Vec<(&[f32], &[usize])> = Vec::with_capacity(guards.len());
+            for (g, s) in &guards {
+                parts.push((g.host()?.as_slice(), s.dims()));
+            }
             let mut v = vec![0.0; n];
             kernels::concat(&parts, axis, &mut v);
             drop(parts);
             drop(guards);
-            *o.write() = v;
+            *o.write() = Data::Host(v);
+            Ok(())
         })?;
         Ok(out)
     }

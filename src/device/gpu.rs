@@ -1,0 +1,483 @@
+//! GPU devices through wgpu: one wgpu Device and in-order Queue per logical device.
+//!
+//! A GPU node runs like any other node: a worker takes it and runs its closure,
+//! which *encodes* the node's work into the device's open command encoder. The
+//! node completes when it is encoded, which is correct for every consumer:
+//! - a dependent on the same device is encoded after it into the same in-order
+//!   queue (wgpu inserts the barriers between conflicting dispatches);
+//! - a consumer elsewhere (a readback, a copy to another device) goes through
+//!   [`Gpu::read`], which submits the open batch and waits for it;
+//! - `Engine::wait_all` submits every open batch and waits for the devices.
+//!
+//! Batches are submitted when they hold [`BATCH_LIMIT`] dispatches, when a
+//! readback needs them, or when the encoding worker finds no other queued work
+//! (so that work starts while the frontend goes on). The scheduler knows nothing
+//! of this: a device only changes what a node's closure does.
+//!
+//! Data only enters a device through a staging buffer copied inside the batch, so
+//! an upload is ordered with the dispatches around it (`Queue::write_buffer` would
+//! land before the whole next submission).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Dispatches per submitted command buffer at most.
+const BATCH_LIMIT: usize = 64;
+/// Invocations per workgroup of every elementwise kernel (see `shaders/`).
+const WORKGROUP: usize = 256;
+
+/// What a GPU device is, for listings and reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// The adapter's name (e.g. `NVIDIA H200`, `llvmpipe (LLVM 15.0.6, 256 bits)`).
+    pub name: String,
+    /// `vulkan`, `metal`, `dx12` or `gl`.
+    pub backend: String,
+    /// `discrete`, `integrated`, `virtual`, `cpu` or `other`.
+    pub device_type: String,
+    /// Which logical device on this adapter (0 unless several were asked for).
+    pub logical: usize,
+}
+
+/// The elementwise kernels in `shaders/`, specialized by an expression.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Kernel {
+    /// `shaders/binary.wgsl`: `OP` in `x` and `y`, with broadcasting.
+    Binary,
+    /// `shaders/map.wgsl`: `OP` in `x` and the scalar `s`.
+    Map,
+}
+
+impl Kernel {
+    pub(crate) fn source(self) -> &'static str {
+        match self {
+            Kernel::Binary => include_str!("../../shaders/binary.wgsl"),
+            Kernel::Map => include_str!("../../shaders/map.wgsl"),
+        }
+    }
+
+    /// The kernel's source with `OP` replaced by `expr`.
+    pub(crate) fn specialize(self, expr: &str) -> String {
+        self.source().replace("OP;", &format!("{expr};"))
+    }
+}
+
+/// Held by a recorded GPU node until it has been encoded (or skipped); when the
+/// last one goes, the device has no more work coming and its batch is submitted.
+pub(crate) struct Pending(Arc<Gpu>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        // AcqRel: the submitting thread sees every encoding that preceded the
+        // decrements (they were made under the batch lock anyway).
+        if self
+            .0
+            .pending
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
+            == 1
+        {
+            // A failure to submit surfaces at the next readback or wait_all,
+            // which submit again and report it.
+            let _ = self.0.flush();
+        }
+    }
+}
+
+struct Batch {
+    encoder: Option<wgpu::CommandEncoder>,
+    dispatches: usize,
+}
+
+/// One logical GPU device.
+pub(crate) struct Gpu {
+    pub(crate) info: GpuInfo,
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    batch: Mutex<Batch>,
+    pipelines: Mutex<HashMap<(Kernel, String), wgpu::ComputePipeline>>,
+    /// Largest storage buffer binding, in bytes (the adapter's real limit).
+    pub(crate) max_binding: u64,
+    /// Recorded GPU nodes not yet encoded (see [`Pending`]).
+    pending: std::sync::atomic::AtomicUsize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn backend_name(b: wgpu::Backend) -> &'static str {
+    match b {
+        wgpu::Backend::Vulkan => "vulkan",
+        wgpu::Backend::Metal => "metal",
+        wgpu::Backend::Dx12 => "dx12",
+        wgpu::Backend::Gl => "gl",
+        _ => "other",
+    }
+}
+
+/// Parses `vulkan,metal,dx12,gl` (any case, `all` for all of them).
+pub(crate) fn parse_backends(s: &str) -> Result<wgpu::Backends, String> {
+    let mut out = wgpu::Backends::empty();
+    for part in s.split(',').map(|p| p.trim().to_ascii_lowercase()) {
+        out |= match part.as_str() {
+            "" => continue,
+            "all" => wgpu::Backends::all(),
+            "vulkan" => wgpu::Backends::VULKAN,
+            "metal" => wgpu::Backends::METAL,
+            "dx12" => wgpu::Backends::DX12,
+            "gl" => wgpu::Backends::GL,
+            "none" => wgpu::Backends::empty(),
+            other => {
+                return Err(format!(
+                    "unknown backend {other:?}: expected vulkan, metal, dx12, gl, all or none"
+                ))
+            }
+        };
+    }
+    Ok(out)
+}
+
+/// Opens `logical` devices on every adapter of `backends`. An adapter seen
+/// through several backends (lavapipe as Vulkan and as GL) is kept once, the
+/// first of Vulkan, Metal, DX12, GL. Adapters that fail to open are skipped.
+pub(crate) fn discover(backends: wgpu::Backends, logical: usize) -> Vec<Arc<Gpu>> {
+    if backends.is_empty() || logical == 0 {
+        return Vec::new();
+    }
+    // With every backend allowed, GL is only asked when the primary backends
+    // found nothing: the adapters GL reaches are seen through Vulkan too, and
+    // starting GL without a display prints warnings on headless machines.
+    let enumerate = |b: wgpu::Backends| {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+        desc.backends = b;
+        let instance = wgpu::Instance::new(desc);
+        pollster::block_on(instance.enumerate_adapters(b))
+    };
+    let mut adapters = if backends == wgpu::Backends::all() {
+        let primary = enumerate(wgpu::Backends::PRIMARY);
+        if primary.is_empty() {
+            enumerate(wgpu::Backends::SECONDARY)
+        } else {
+            primary
+        }
+    } else {
+        enumerate(backends)
+    };
+    let rank = |b: wgpu::Backend| match b {
+        wgpu::Backend::Vulkan => 0,
+        wgpu::Backend::Metal => 1,
+        wgpu::Backend::Dx12 => 2,
+        wgpu::Backend::Gl => 3,
+        _ => 4,
+    };
+    adapters.sort_by_key(|a| rank(a.get_info().backend));
+    let mut seen: Vec<(String, u32, u32)> = Vec::new();
+    let mut gpus = Vec::new();
+    for adapter in adapters {
+        let info = adapter.get_info();
+        let key = (info.name.clone(), info.vendor, info.device);
+        if seen.contains(&key) {
+            continue;
+        }
+        seen.push(key);
+        for l in 0..logical {
+            if let Ok(gpu) = Gpu::open(&adapter, l) {
+                gpus.push(Arc::new(gpu));
+            }
+        }
+    }
+    gpus
+}
+
+impl Gpu {
+    fn open(adapter: &wgpu::Adapter, logical: usize) -> Result<Gpu, String> {
+        let ai = adapter.get_info();
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("lazyflow"),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| e.to_string())?;
+        // Errors outside an error scope must never panic the process.
+        device.on_uncaptured_error(Arc::new(|e: wgpu::Error| {
+            eprintln!("lazyflow: uncaptured GPU error: {e}");
+        }));
+        let device_type = match ai.device_type {
+            wgpu::DeviceType::DiscreteGpu => "discrete",
+            wgpu::DeviceType::IntegratedGpu => "integrated",
+            wgpu::DeviceType::VirtualGpu => "virtual",
+            wgpu::DeviceType::Cpu => "cpu",
+            _ => "other",
+        };
+        Ok(Gpu {
+            info: GpuInfo {
+                name: ai.name.clone(),
+                backend: backend_name(ai.backend).to_string(),
+                device_type: device_type.to_string(),
+                logical,
+            },
+            device,
+            queue,
+            batch: Mutex::new(Batch {
+                encoder: None,
+                dispatches: 0,
+            }),
+            pipelines: Mutex::new(HashMap::new()),
+            max_binding: u64::from(limits.max_storage_buffer_binding_size)
+                .min(limits.max_buffer_size),
+            pending: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    /// Runs `f` inside validation and out-of-memory error scopes and turns a
+    /// captured error into `Err`.
+    fn scoped<R>(&self, f: impl FnOnce() -> R) -> Result<R, String> {
+        let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let r = f();
+        let oom = pollster::block_on(oom.pop());
+        let validation = pollster::block_on(validation.pop());
+        match oom.or(validation) {
+            Some(e) => Err(e.to_string()),
+            None => Ok(r),
+        }
+    }
+
+    /// Counts a recorded node until it is encoded or dropped.
+    pub(crate) fn expect_node(self: &Arc<Self>) -> Pending {
+        self.pending
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Pending(self.clone())
+    }
+
+    /// Record-time check that a tensor of `shape` fits in one buffer.
+    pub(crate) fn check_size(
+        &self,
+        op: &'static str,
+        shape: &crate::tensor::Shape,
+        location: crate::error::Location,
+    ) -> crate::error::Result<()> {
+        let bytes = (shape.numel() as u64).saturating_mul(4);
+        if bytes > self.max_binding {
+            return Err(crate::error::Error::InvalidArgument {
+                op,
+                shape: shape.to_string(),
+                reason: format!(
+                    "{bytes} bytes exceed the largest buffer of {} ({} bytes)",
+                    self.info.name, self.max_binding
+                ),
+                location,
+            });
+        }
+        Ok(())
+    }
+
+    /// A new storage buffer for `n` floats (its contents are undefined until a
+    /// kernel or a copy writes them).
+    pub(crate) fn alloc(&self, n: usize) -> Result<wgpu::Buffer, String> {
+        let size = (n.max(1) * 4) as u64;
+        if size > self.max_binding {
+            return Err(format!(
+                "{n} floats exceed the device's largest buffer ({} bytes)",
+                self.max_binding
+            ));
+        }
+        self.scoped(|| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("lazyflow tensor"),
+                size,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        })
+    }
+
+    /// A new buffer holding `data`, copied in through the open batch.
+    pub(crate) fn upload(&self, data: &[f32]) -> Result<wgpu::Buffer, String> {
+        let out = self.alloc(data.len())?;
+        if data.is_empty() {
+            return Ok(out);
+        }
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        let staging = self.scoped(|| {
+            let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("lazyflow upload"),
+                size: bytes.len() as u64,
+                usage: wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: true,
+            });
+            let written = match staging.slice(..).get_mapped_range_mut() {
+                Ok(mut view) => {
+                    view.copy_from_slice(bytes);
+                    Ok(())
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            staging.unmap();
+            written.map(|()| staging)
+        })??;
+        let mut batch = lock(&self.batch);
+        let encoder = self.encoder(&mut batch);
+        encoder.copy_buffer_to_buffer(&staging, 0, &out, 0, bytes.len() as u64);
+        Ok(out)
+    }
+
+    /// Copies `n` floats out of `buffer`: submits the open batch (which holds
+    /// every write to it) and waits for the copy.
+    pub(crate) fn read(&self, buffer: &wgpu::Buffer, n: usize) -> Result<Vec<f32>, String> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let size = (n * 4) as u64;
+        let staging = self.scoped(|| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("lazyflow readback"),
+                size,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        })?;
+        let index = {
+            let mut batch = lock(&self.batch);
+            let encoder = self.encoder(&mut batch);
+            encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, size);
+            self.submit_locked(&mut batch)?
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: index,
+                timeout: None,
+            })
+            .map_err(|e| e.to_string())?;
+        match rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(e.to_string()),
+            Err(_) => return Err("readback was never mapped".to_string()),
+        }
+        let view = staging.get_mapped_range(..).map_err(|e| e.to_string())?;
+        let out: Vec<f32> = bytemuck::pod_collect_to_vec(&view);
+        drop(view);
+        staging.unmap();
+        Ok(out)
+    }
+
+    /// Encodes one elementwise kernel over `n` outputs. `buffers` are bound in
+    /// order; `info` is uploaded as the last binding.
+    pub(crate) fn dispatch(
+        &self,
+        kernel: Kernel,
+        expr: &str,
+        buffers: &[&wgpu::Buffer],
+        info: &[u32],
+        n: usize,
+    ) -> Result<(), String> {
+        if n == 0 {
+            return Ok(());
+        }
+        let pipeline = self.pipeline(kernel, expr)?;
+        let info = self.upload(bytemuck::cast_slice(info))?;
+        let groups = n.div_ceil(WORKGROUP);
+        let gx = groups.min(65_535);
+        let gy = groups.div_ceil(gx);
+        let layout = pipeline.get_bind_group_layout(0);
+        let entries: Vec<wgpu::BindGroupEntry> = buffers
+            .iter()
+            .copied()
+            .chain(std::iter::once(&info))
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry {
+                binding: i as u32,
+                resource: b.as_entire_binding(),
+            })
+            .collect();
+        let bind_group = self.scoped(|| {
+            self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &layout,
+                entries: &entries,
+            })
+        })?;
+        let mut batch = lock(&self.batch);
+        {
+            let encoder = self.encoder(&mut batch);
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+            pass.set_pipeline(&pipeline);
+            pass.set_bind_group(0, &bind_group, &[]);
+            pass.dispatch_workgroups(gx as u32, gy as u32, 1);
+        }
+        batch.dispatches += 1;
+        if batch.dispatches >= BATCH_LIMIT {
+            self.submit_locked(&mut batch)?;
+        }
+        Ok(())
+    }
+
+    fn pipeline(&self, kernel: Kernel, expr: &str) -> Result<wgpu::ComputePipeline, String> {
+        let key = (kernel, expr.to_string());
+        if let Some(p) = lock(&self.pipelines).get(&key) {
+            return Ok(p.clone());
+        }
+        let source = kernel.specialize(expr);
+        let pipeline = self.scoped(|| {
+            let module = self
+                .device
+                .create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some("lazyflow kernel"),
+                    source: wgpu::ShaderSource::Wgsl(source.into()),
+                });
+            self.device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some("lazyflow kernel"),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: Default::default(),
+                    cache: None,
+                })
+        })?;
+        lock(&self.pipelines).insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    fn encoder<'b>(&self, batch: &'b mut Batch) -> &'b mut wgpu::CommandEncoder {
+        batch.encoder.get_or_insert_with(|| {
+            self.device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("lazyflow batch"),
+                })
+        })
+    }
+
+    fn submit_locked(&self, batch: &mut Batch) -> Result<Option<wgpu::SubmissionIndex>, String> {
+        batch.dispatches = 0;
+        let Some(encoder) = batch.encoder.take() else {
+            return Ok(None);
+        };
+        let index = self.scoped(|| self.queue.submit([encoder.finish()]))?;
+        Ok(Some(index))
+    }
+
+    /// Submits the open batch, if any, so that its work starts.
+    pub(crate) fn flush(&self) -> Result<(), String> {
+        self.submit_locked(&mut lock(&self.batch)).map(|_| ())
+    }
+
+    /// Submits the open batch and waits until the device has finished everything.
+    pub(crate) fn synchronize(&self) -> Result<(), String> {
+        let index = self.submit_locked(&mut lock(&self.batch))?;
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: index,
+                timeout: None,
+            })
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+}

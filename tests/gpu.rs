@@ -1,0 +1,218 @@
+//! Tensor ops on every GPU device found, against the CPU device.
+//!
+//! With `LAZYFLOW_REQUIRE_GPU=1` (set by `.ci/run`, which installs Mesa's lavapipe)
+//! finding no GPU adapter is a failure, not a skip.
+
+use lazyflow::{Device, Engine, Error, Mode, Tensor};
+
+fn gpu_devices(engine: &Engine) -> Vec<Device> {
+    let gpus: Vec<Device> = engine
+        .devices()
+        .into_iter()
+        .filter(|d| *d != Device::Cpu)
+        .collect();
+    if gpus.is_empty() && std::env::var("LAZYFLOW_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!("LAZYFLOW_REQUIRE_GPU=1 but no GPU adapter was found");
+    }
+    for d in &gpus {
+        eprintln!("testing on {d}: {}", engine.describe(*d));
+    }
+    gpus
+}
+
+fn engine(mode: Mode) -> Engine {
+    Engine::builder().mode(mode).workers(2).build().unwrap()
+}
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 1000) as f32 / 250.0 - 2.0
+        })
+        .collect()
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let tol = 1e-5 + 1e-5 * w.abs();
+        assert!(
+            (g - w).abs() <= tol || (g.is_nan() && w.is_nan()) || g == w,
+            "{what}: element {i}: gpu {g} vs cpu {w}"
+        );
+    }
+}
+
+#[test]
+fn binary_ops_with_broadcasting_match_the_cpu() {
+    let e = engine(Mode::Lazy);
+    let shapes: &[(&[usize], &[usize])] = &[
+        (&[1], &[1]),
+        (&[7], &[7]),
+        (&[257], &[1]),
+        (&[3, 1], &[1, 5]),
+        (&[2, 3, 4], &[4]),
+        (&[4], &[2, 3, 4]),
+        (&[300, 7], &[300, 1]),
+        (&[0, 3], &[3]),
+    ];
+    type Op = fn(&Tensor, &Tensor) -> lazyflow::Result<Tensor>;
+    let ops: &[(&str, Op)] = &[
+        ("add", Tensor::add),
+        ("sub", Tensor::sub),
+        ("mul", Tensor::mul),
+        ("div", Tensor::div),
+        ("maximum", Tensor::maximum),
+        ("minimum", Tensor::minimum),
+        ("eq", Tensor::eq),
+        ("ne", Tensor::ne),
+        ("lt", Tensor::lt),
+        ("le", Tensor::le),
+        ("gt", Tensor::gt),
+        ("ge", Tensor::ge),
+    ];
+    for gpu in gpu_devices(&e) {
+        for (sa, sb) in shapes {
+            let na: usize = sa.iter().product();
+            let nb: usize = sb.iter().product();
+            let a = Tensor::from_vec_in(&e, data(na, 1), *sa).unwrap();
+            // Some equal values so that comparisons see ties.
+            let mut bd = data(nb, 7);
+            if let (Some(first), Some(&a0)) = (bd.first_mut(), data(na, 1).first()) {
+                *first = a0;
+            }
+            let b = Tensor::from_vec_in(&e, bd, *sb).unwrap();
+            let (ga, gb) = (a.to(gpu).unwrap(), b.to(gpu).unwrap());
+            for (name, op) in ops {
+                let want = op(&a, &b).unwrap().to_vec().unwrap();
+                let got = op(&ga, &gb).unwrap();
+                assert_eq!(got.device(), gpu);
+                assert_close(
+                    &got.to_vec().unwrap(),
+                    &want,
+                    &format!("{name} {sa:?} {sb:?} on {gpu}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn unary_and_scalar_ops_match_the_cpu() {
+    let e = engine(Mode::Async);
+    for gpu in gpu_devices(&e) {
+        for n in [1usize, 5, 256, 1000] {
+            let x = Tensor::from_vec_in(&e, data(n, 3), [n]).unwrap();
+            let pos = x.abs() + 0.5;
+            let (gx, gpos) = (x.to(gpu).unwrap(), pos.to(gpu).unwrap());
+            let pairs: Vec<(&str, Tensor, Tensor)> = vec![
+                ("neg", x.neg(), gx.neg()),
+                ("exp", x.exp(), gx.exp()),
+                ("log", pos.log(), gpos.log()),
+                ("sqrt", pos.sqrt(), gpos.sqrt()),
+                ("abs", x.abs(), gx.abs()),
+                ("relu", x.relu(), gx.relu()),
+                ("sigmoid", (&x * 30.0).sigmoid(), (&gx * 30.0).sigmoid()),
+                ("tanh", (&x * 30.0).tanh(), (&gx * 30.0).tanh()),
+                ("x + 1", &x + 1.0, &gx + 1.0),
+                ("2 - x", 2.0 - &x, 2.0 - &gx),
+                ("x / 4", &x / 4.0, &gx / 4.0),
+                ("pos ^ 1.5", pos.powf(1.5), gpos.powf(1.5)),
+                ("x > 0", x.gt_scalar(0.0), gx.gt_scalar(0.0)),
+            ];
+            for (name, cpu, g) in pairs {
+                let want = cpu.to_vec().unwrap();
+                let got = g.to_vec().unwrap();
+                // exp, log, pow and tanh are approximations on GPUs.
+                let tol = 2e-4;
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (a - b).abs() <= tol * (1.0 + b.abs()),
+                        "{name} n={n} on {gpu}: element {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn dependent_chains_and_mixed_devices_give_the_sequential_result() {
+    for mode in [Mode::Lazy, Mode::Async, Mode::Sync] {
+        let e = engine(mode);
+        for gpu in gpu_devices(&e) {
+            // x = x + 1, 200 times on the GPU, one read at the end.
+            let mut x = Tensor::zeros_in(&e, [33]).to(gpu).unwrap();
+            for _ in 0..200 {
+                x = &x + 1.0;
+            }
+            assert_eq!(x.to_vec().unwrap(), vec![200.0; 33], "{mode:?} on {gpu}");
+            // CPU -> GPU -> CPU -> GPU, each step depending on the last.
+            let a = Tensor::arange_in(&e, 0.0, 10.0, 1.0);
+            let b = (a.to(gpu).unwrap() * 2.0).to(Device::Cpu).unwrap();
+            let c = (b.exp().log() + 1.0).to(gpu).unwrap();
+            let d = (&c * &c).to_vec().unwrap();
+            let want: Vec<f32> = (0..10).map(|i| (2.0 * i as f32 + 1.0).powi(2)).collect();
+            assert_close(&d, &want, &format!("mixed chain {mode:?} on {gpu}"));
+            // Results kept alive and read in reverse order.
+            let base = Tensor::ones_in(&e, [17]).to(gpu).unwrap();
+            let ys: Vec<Tensor> = (0..50).map(|i| &base * i as f32).collect();
+            for (i, y) in ys.iter().enumerate().rev() {
+                assert_eq!(y.to_vec().unwrap(), vec![i as f32; 17]);
+            }
+            // wait_all is a barrier for the GPU too.
+            e.wait_all().unwrap();
+        }
+    }
+}
+
+#[test]
+fn two_logical_devices_and_cross_device_copies() {
+    let e = Engine::builder()
+        .workers(2)
+        .logical_devices(2)
+        .build()
+        .unwrap();
+    let gpus = gpu_devices(&e);
+    if gpus.len() < 2 {
+        return;
+    }
+    let (g0, g1) = (gpus[0], gpus[1]);
+    let x = Tensor::from_vec_in(&e, data(100, 5), [100]).unwrap();
+    let on0 = &x.to(g0).unwrap() + 3.0;
+    let on1 = on0.to(g1).unwrap() * 2.0;
+    let want: Vec<f32> = data(100, 5).iter().map(|v| (v + 3.0) * 2.0).collect();
+    assert_close(&on1.to_vec().unwrap(), &want, "g0 -> g1");
+    // Operands on different devices are rejected at record time.
+    assert!(matches!(on0.add(&on1), Err(Error::DeviceMismatch { .. })));
+}
+
+#[test]
+fn unsupported_ops_and_bad_devices_are_clear_errors() {
+    let e = engine(Mode::Lazy);
+    let x = Tensor::ones_in(&e, [2, 2]);
+    assert!(matches!(
+        x.to(Device::Gpu(999)),
+        Err(Error::InvalidArgument { op: "to", .. })
+    ));
+    for gpu in gpu_devices(&e) {
+        let g = x.to(gpu).unwrap();
+        match g.matmul(&g) {
+            Err(Error::Unsupported {
+                op: "matmul",
+                device,
+                ..
+            }) => assert_eq!(device, gpu.to_string()),
+            other => panic!("expected Unsupported, got {other:?}"),
+        }
+        let s = g.sum();
+        assert!(matches!(
+            s.to_vec(),
+            Err(Error::Unsupported { op: "sum", .. })
+        ));
+        // The engine and the device keep working.
+        assert_eq!((&g + 1.0).to_vec().unwrap(), vec![2.0; 4]);
+        // Printing copies to the host.
+        assert!(format!("{g}").contains("[[1.0, 1.0], [1.0, 1.0]]"));
+    }
+}
