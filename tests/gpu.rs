@@ -188,7 +188,7 @@ fn two_logical_devices_and_cross_device_copies() {
 }
 
 #[test]
-fn unsupported_ops_and_bad_devices_are_clear_errors() {
+fn bad_devices_are_clear_errors() {
     let e = engine(Mode::Lazy);
     let x = Tensor::ones_in(&e, [2, 2]);
     assert!(matches!(
@@ -197,22 +197,214 @@ fn unsupported_ops_and_bad_devices_are_clear_errors() {
     ));
     for gpu in gpu_devices(&e) {
         let g = x.to(gpu).unwrap();
-        match g.matmul(&g) {
-            Err(Error::Unsupported {
-                op: "matmul",
-                device,
-                ..
-            }) => assert_eq!(device, gpu.to_string()),
-            other => panic!("expected Unsupported, got {other:?}"),
-        }
-        let s = g.sum();
-        assert!(matches!(
-            s.to_vec(),
-            Err(Error::Unsupported { op: "sum", .. })
-        ));
-        // The engine and the device keep working.
-        assert_eq!((&g + 1.0).to_vec().unwrap(), vec![2.0; 4]);
         // Printing copies to the host.
         assert!(format!("{g}").contains("[[1.0, 1.0], [1.0, 1.0]]"));
+        assert!(matches!(g.add(&x), Err(Error::DeviceMismatch { .. })));
+    }
+}
+
+/// Runs `f` on the CPU and on `gpu` and compares the results.
+fn same_on(gpu: Device, what: &str, inputs: &[&Tensor], f: impl Fn(&[Tensor]) -> Tensor, tol: f32) {
+    let cpu: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+    let dev: Vec<Tensor> = inputs.iter().map(|t| t.to(gpu).unwrap()).collect();
+    let want = f(&cpu);
+    let got = f(&dev);
+    assert_eq!(got.device(), gpu, "{what}");
+    assert_eq!(got.dims(), want.dims(), "{what}: shape");
+    let (got, want) = (got.to_vec().unwrap(), want.to_vec().unwrap());
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()) || (g.is_nan() && w.is_nan()),
+            "{what} on {gpu}: element {i}: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn reductions_match_the_cpu() {
+    let e = engine(Mode::Lazy);
+    for gpu in gpu_devices(&e) {
+        for dims in [
+            &[1usize][..],
+            &[7],
+            &[1000],
+            &[2, 3, 4],
+            &[3, 1, 257],
+            &[65, 3],
+        ] {
+            let n: usize = dims.iter().product();
+            let x = Tensor::from_vec_in(&e, data(n, 11), dims).unwrap();
+            let what = |op: &str| format!("{op} {dims:?}");
+            same_on(gpu, &what("sum"), &[&x], |t| t[0].sum(), 1e-4);
+            same_on(gpu, &what("mean"), &[&x], |t| t[0].mean(), 1e-4);
+            same_on(gpu, &what("max"), &[&x], |t| t[0].max(), 0.0);
+            same_on(gpu, &what("min"), &[&x], |t| t[0].min(), 0.0);
+            same_on(gpu, &what("argmax"), &[&x], |t| t[0].argmax(), 0.0);
+            for axis in 0..dims.len() {
+                let w = |op: &str| format!("{op} axis {axis} of {dims:?}");
+                same_on(
+                    gpu,
+                    &w("sum"),
+                    &[&x],
+                    |t| t[0].sum_axis(axis).unwrap(),
+                    1e-4,
+                );
+                same_on(
+                    gpu,
+                    &w("mean"),
+                    &[&x],
+                    |t| t[0].mean_axis(axis).unwrap(),
+                    1e-4,
+                );
+                same_on(gpu, &w("max"), &[&x], |t| t[0].max_axis(axis).unwrap(), 0.0);
+                same_on(gpu, &w("min"), &[&x], |t| t[0].min_axis(axis).unwrap(), 0.0);
+                same_on(
+                    gpu,
+                    &w("argmax"),
+                    &[&x],
+                    |t| t[0].argmax_axis(axis).unwrap(),
+                    0.0,
+                );
+            }
+        }
+        // Ties go to the first index; NaN propagates.
+        let ties = Tensor::from_vec_in(&e, vec![1.0, 3.0, 3.0, 2.0, 3.0], [5]).unwrap();
+        same_on(gpu, "argmax ties", &[&ties], |t| t[0].argmax(), 0.0);
+        let nan = Tensor::from_vec_in(&e, vec![1.0, f32::NAN, 3.0], [3]).unwrap();
+        same_on(gpu, "max with NaN", &[&nan], |t| t[0].max(), 0.0);
+        same_on(gpu, "argmax with NaN", &[&nan], |t| t[0].argmax(), 0.0);
+    }
+}
+
+#[test]
+fn matmul_matches_the_cpu() {
+    let e = engine(Mode::Lazy);
+    for gpu in gpu_devices(&e) {
+        let cases: &[(&[usize], &[usize])] = &[
+            (&[1, 1], &[1, 1]),
+            (&[7, 5], &[5, 3]),
+            (&[1, 9], &[9, 1]),
+            (&[65, 70], &[70, 66]),
+            (&[64, 64], &[64, 64]),
+            (&[2, 3, 4], &[2, 4, 5]),
+            (&[2, 65, 17], &[17, 33]),
+            (&[3, 0], &[0, 4]),
+        ];
+        for (sa, sb) in cases {
+            let a = Tensor::from_vec_in(&e, data(sa.iter().product(), 2), *sa).unwrap();
+            let b = Tensor::from_vec_in(&e, data(sb.iter().product(), 9), *sb).unwrap();
+            same_on(
+                gpu,
+                &format!("matmul {sa:?} @ {sb:?}"),
+                &[&a, &b],
+                |t| t[0].matmul(&t[1]).unwrap(),
+                1e-4,
+            );
+        }
+        let sq = Tensor::from_vec_in(&e, data(100, 4), [10, 10]).unwrap();
+        same_on(gpu, "a @ a", &[&sq], |t| t[0].matmul(&t[0]).unwrap(), 1e-4);
+    }
+}
+
+#[test]
+fn layout_ops_match_the_cpu() {
+    let e = engine(Mode::Async);
+    for gpu in gpu_devices(&e) {
+        let x = Tensor::from_vec_in(&e, data(2 * 3 * 5, 6), [2, 3, 5]).unwrap();
+        for (d0, d1) in [(0, 1), (0, 2), (1, 2)] {
+            same_on(
+                gpu,
+                &format!("transpose {d0} {d1}"),
+                &[&x],
+                |t| t[0].transpose(d0, d1).unwrap(),
+                0.0,
+            );
+        }
+        let m = Tensor::from_vec_in(&e, data(40 * 33, 1), [40, 33]).unwrap();
+        same_on(gpu, "t", &[&m], |t| t[0].t().unwrap(), 0.0);
+        let col = Tensor::from_vec_in(&e, data(3, 8), [3, 1]).unwrap();
+        same_on(
+            gpu,
+            "broadcast_to",
+            &[&col],
+            |t| t[0].broadcast_to([2, 3, 4]).unwrap(),
+            0.0,
+        );
+        for axis in 0..3 {
+            let size = x.dims()[axis];
+            same_on(
+                gpu,
+                &format!("narrow {axis}"),
+                &[&x],
+                |t| t[0].narrow(axis, 1, size - 1).unwrap(),
+                0.0,
+            );
+            let parts = x.to(gpu).unwrap().split(axis, &[1, size - 1]).unwrap();
+            let cpu_parts = x.split(axis, &[1, size - 1]).unwrap();
+            for (g, c) in parts.iter().zip(&cpu_parts) {
+                assert_eq!(
+                    g.to_vec().unwrap(),
+                    c.to_vec().unwrap(),
+                    "split {axis} on {gpu}"
+                );
+            }
+            same_on(
+                gpu,
+                &format!("concat {axis}"),
+                &[&x],
+                |t| Tensor::concat(&[&t[0], &t[0].exp(), &t[0]], axis).unwrap(),
+                1e-5,
+            );
+        }
+        let r = x.to(gpu).unwrap().reshape([6, 5]).unwrap();
+        assert_eq!(r.to_vec().unwrap(), x.to_vec().unwrap());
+    }
+}
+
+#[test]
+fn in_place_ops_are_ordered_and_match_the_cpu() {
+    for mode in [Mode::Lazy, Mode::Async, Mode::Sync] {
+        let e = engine(mode);
+        for gpu in gpu_devices(&e) {
+            let x = Tensor::from_vec_in(&e, data(12, 3), [3, 4])
+                .unwrap()
+                .to(gpu)
+                .unwrap();
+            let cpu = x.to_vec().unwrap();
+            // A reader recorded before the write sees the old value
+            // (write-after-read), and clones see the new one.
+            let before = &x + 0.0;
+            let alias = x.clone();
+            x.add_scalar_(1.0);
+            let row = Tensor::from_vec_in(&e, vec![1.0, 2.0, 3.0, 4.0], [4])
+                .unwrap()
+                .to(gpu)
+                .unwrap();
+            x.mul_(&row).unwrap();
+            x.add_(&x).unwrap();
+            x.relu_();
+            let mut y = x.clone();
+            y -= 0.5;
+            y /= &row;
+            let want: Vec<f32> = cpu
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    (((v + 1.0) * (i % 4 + 1) as f32 * 2.0).max(0.0) - 0.5) / (i % 4 + 1) as f32
+                })
+                .collect();
+            assert_close(
+                &alias.to_vec().unwrap(),
+                &want,
+                &format!("in-place chain {mode:?} on {gpu}"),
+            );
+            assert_eq!(before.to_vec().unwrap(), cpu, "{mode:?} on {gpu}");
+            let z = Tensor::zeros_in(&e, [3, 4]).to(gpu).unwrap();
+            z.copy_from(&x).unwrap();
+            x.fill_(7.0);
+            assert_close(&z.to_vec().unwrap(), &want, "copy_from");
+            assert_eq!(x.to_vec().unwrap(), vec![7.0; 12]);
+        }
     }
 }

@@ -39,13 +39,23 @@ pub struct GpuInfo {
     pub logical: usize,
 }
 
-/// The elementwise kernels in `shaders/`, specialized by an expression.
+/// The kernels in `shaders/` (one per file).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Kernel {
-    /// `shaders/binary.wgsl`: `OP` in `x` and `y`, with broadcasting.
+    /// `binary.wgsl`: `OP` in `x` and `y`, with broadcasting.
     Binary,
-    /// `shaders/map.wgsl`: `OP` in `x` and the scalar `s`.
+    /// `map.wgsl`: `OP` in `x` and the scalar `s`.
     Map,
+    /// `inplace.wgsl`: `a = OP(x, y)` with `y` broadcast.
+    Inplace,
+    /// `inplace_map.wgsl`: `a = OP(x, s)`.
+    InplaceMap,
+    /// `reduce.wgsl`: specialized by the reduction kind (0 to 4).
+    Reduce,
+    /// `strided_copy.wgsl`: layout changes.
+    StridedCopy,
+    /// `matmul.wgsl`: tiled, batched.
+    Matmul,
 }
 
 impl Kernel {
@@ -53,12 +63,54 @@ impl Kernel {
         match self {
             Kernel::Binary => include_str!("../../shaders/binary.wgsl"),
             Kernel::Map => include_str!("../../shaders/map.wgsl"),
+            Kernel::Inplace => include_str!("../../shaders/inplace.wgsl"),
+            Kernel::InplaceMap => include_str!("../../shaders/inplace_map.wgsl"),
+            Kernel::Reduce => include_str!("../../shaders/reduce.wgsl"),
+            Kernel::StridedCopy => include_str!("../../shaders/strided_copy.wgsl"),
+            Kernel::Matmul => include_str!("../../shaders/matmul.wgsl"),
         }
     }
 
-    /// The kernel's source with `OP` replaced by `expr`.
-    pub(crate) fn specialize(self, expr: &str) -> String {
-        self.source().replace("OP;", &format!("{expr};"))
+    /// The kernel's source with its specialization filled in: the expression
+    /// that replaces `OP`, or the value of `KIND_VALUE`; kernels without one
+    /// ignore it.
+    pub(crate) fn specialize(self, spec: &str) -> String {
+        match self {
+            Kernel::Binary | Kernel::Map | Kernel::Inplace | Kernel::InplaceMap => {
+                self.source().replace("OP;", &format!("{spec};"))
+            }
+            Kernel::Reduce => self.source().replace("KIND_VALUE", spec),
+            Kernel::StridedCopy | Kernel::Matmul => self.source().to_string(),
+        }
+    }
+}
+
+/// How many workgroups a dispatch launches.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Grid {
+    /// One invocation per element, 256 per workgroup.
+    Elements(usize),
+    /// This many workgroups.
+    Workgroups(usize),
+    /// Exactly these workgroup counts.
+    Exact(u32, u32, u32),
+}
+
+impl Grid {
+    /// Workgroup counts, folding long 1-D grids into (x, y) under the 65,535
+    /// limit of one dimension. `None` when there is nothing to do.
+    fn counts(self) -> Option<(u32, u32, u32)> {
+        let folded = |groups: usize| {
+            let gx = groups.min(65_535);
+            (gx as u32, groups.div_ceil(gx) as u32, 1)
+        };
+        let c = match self {
+            Grid::Elements(0) | Grid::Workgroups(0) => return None,
+            Grid::Elements(n) => folded(n.div_ceil(WORKGROUP)),
+            Grid::Workgroups(g) => folded(g),
+            Grid::Exact(x, y, z) => (x, y, z),
+        };
+        (c.0 > 0 && c.1 > 0 && c.2 > 0).then_some(c)
     }
 }
 
@@ -224,7 +276,8 @@ impl Gpu {
                 dispatches: 0,
             }),
             pipelines: Mutex::new(HashMap::new()),
-            max_binding: u64::from(limits.max_storage_buffer_binding_size)
+            max_binding: limits
+                .max_storage_buffer_binding_size
                 .min(limits.max_buffer_size),
             pending: std::sync::atomic::AtomicUsize::new(0),
         })
@@ -368,24 +421,21 @@ impl Gpu {
         Ok(out)
     }
 
-    /// Encodes one elementwise kernel over `n` outputs. `buffers` are bound in
-    /// order; `info` is uploaded as the last binding.
+    /// Encodes one kernel. `buffers` are bound in order and `info` is uploaded
+    /// as the last binding.
     pub(crate) fn dispatch(
         &self,
         kernel: Kernel,
-        expr: &str,
+        spec: &str,
         buffers: &[&wgpu::Buffer],
         info: &[u32],
-        n: usize,
+        grid: Grid,
     ) -> Result<(), String> {
-        if n == 0 {
+        let Some((gx, gy, gz)) = grid.counts() else {
             return Ok(());
-        }
-        let pipeline = self.pipeline(kernel, expr)?;
+        };
+        let pipeline = self.pipeline(kernel, spec)?;
         let info = self.upload(bytemuck::cast_slice(info))?;
-        let groups = n.div_ceil(WORKGROUP);
-        let gx = groups.min(65_535);
-        let gy = groups.div_ceil(gx);
         let layout = pipeline.get_bind_group_layout(0);
         let entries: Vec<wgpu::BindGroupEntry> = buffers
             .iter()
@@ -410,7 +460,7 @@ impl Gpu {
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
             pass.set_pipeline(&pipeline);
             pass.set_bind_group(0, &bind_group, &[]);
-            pass.dispatch_workgroups(gx as u32, gy as u32, 1);
+            pass.dispatch_workgroups(gx, gy, gz);
         }
         batch.dispatches += 1;
         if batch.dispatches >= BATCH_LIMIT {
@@ -419,12 +469,22 @@ impl Gpu {
         Ok(())
     }
 
-    fn pipeline(&self, kernel: Kernel, expr: &str) -> Result<wgpu::ComputePipeline, String> {
-        let key = (kernel, expr.to_string());
+    /// Copies `size` bytes between buffers, in order with the batch.
+    pub(crate) fn copy(&self, src: &wgpu::Buffer, dst: &wgpu::Buffer, size: u64) {
+        if size == 0 {
+            return;
+        }
+        let mut batch = lock(&self.batch);
+        self.encoder(&mut batch)
+            .copy_buffer_to_buffer(src, 0, dst, 0, size);
+    }
+
+    fn pipeline(&self, kernel: Kernel, spec: &str) -> Result<wgpu::ComputePipeline, String> {
+        let key = (kernel, spec.to_string());
         if let Some(p) = lock(&self.pipelines).get(&key) {
             return Ok(p.clone());
         }
-        let source = kernel.specialize(expr);
+        let source = kernel.specialize(spec);
         let pipeline = self.scoped(|| {
             let module = self
                 .device

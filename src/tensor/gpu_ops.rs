@@ -2,9 +2,9 @@
 //! the op's WGSL expression. Ops without a GPU kernel yet return
 //! [`Error::Unsupported`] at record time.
 
-use super::kernels::{BinaryOp, UnaryOp};
+use super::kernels::{BinaryOp, ReduceOp, UnaryOp};
 use super::{Data, Shape, Tensor};
-use crate::device::gpu::{Gpu, Kernel};
+use crate::device::gpu::{Gpu, Grid, Kernel};
 use crate::device::Device;
 use crate::error::{Error, Location, Result};
 use std::sync::Arc;
@@ -27,6 +27,11 @@ fn binary_expr(op: BinaryOp, l: &str, r: &str) -> String {
         BinaryOp::Gt => cmp(">"),
         BinaryOp::Ge => cmp(">="),
     }
+}
+
+/// The WGSL expression of `op(x, s)` (in-place ops with a scalar).
+pub(crate) fn binary_expr_xs(op: BinaryOp) -> String {
+    binary_expr(op, "x", "s")
 }
 
 /// The WGSL expression of a unary op on `x`.
@@ -55,13 +60,43 @@ pub(crate) fn all_specializations() -> Vec<(Kernel, String)> {
     let mut out = Vec::new();
     for op in binary {
         out.push((Kernel::Binary, binary_expr(op, "x", "y")));
+        out.push((Kernel::Inplace, binary_expr(op, "x", "y")));
         out.push((Kernel::Map, binary_expr(op, "x", "s")));
         out.push((Kernel::Map, binary_expr(op, "s", "x")));
+        out.push((Kernel::InplaceMap, binary_expr(op, "x", "s")));
     }
     for op in [Neg, Exp, Log, Sqrt, Abs, Relu, Sigmoid, Tanh] {
         out.push((Kernel::Map, unary_expr(op).to_string()));
+        out.push((Kernel::InplaceMap, unary_expr(op).to_string()));
     }
+    out.push((Kernel::InplaceMap, "s".to_string()));
+    for kind in 0..5 {
+        out.push((Kernel::Reduce, kind.to_string()));
+    }
+    out.push((Kernel::StridedCopy, String::new()));
+    out.push((Kernel::Matmul, String::new()));
     out
+}
+
+/// `[n, rank, src_base, dst_base, dims, src_strides, dst_strides]` for
+/// `strided_copy.wgsl`.
+fn strided_info(
+    dims: &Shape,
+    src_base: usize,
+    src_strides: &[usize],
+    dst_base: usize,
+    dst_strides: &[usize],
+) -> Vec<u32> {
+    let mut info = vec![
+        dims.numel() as u32,
+        dims.rank() as u32,
+        src_base as u32,
+        dst_base as u32,
+    ];
+    info.extend(dims.dims().iter().map(|&d| d as u32));
+    info.extend(src_strides.iter().map(|&s| s as u32));
+    info.extend(dst_strides.iter().map(|&s| s as u32));
+    info
 }
 
 /// `[n, rank, out_dims, a_strides, b_strides]` with stride 0 on broadcast dims.
@@ -141,9 +176,21 @@ impl Tensor {
                 match &b {
                     Some(b) => {
                         let gb = b.read();
-                        gpu.dispatch(Kernel::Binary, &expr, &[ab, gb.gpu()?, &buf], &info, n)?;
+                        gpu.dispatch(
+                            Kernel::Binary,
+                            &expr,
+                            &[ab, gb.gpu()?, &buf],
+                            &info,
+                            Grid::Elements(n),
+                        )?;
                     }
-                    None => gpu.dispatch(Kernel::Binary, &expr, &[ab, ab, &buf], &info, n)?,
+                    None => gpu.dispatch(
+                        Kernel::Binary,
+                        &expr,
+                        &[ab, ab, &buf],
+                        &info,
+                        Grid::Elements(n),
+                    )?,
                 }
             }
             *o.write() = Data::Gpu(buf);
@@ -151,6 +198,41 @@ impl Tensor {
             Ok(())
         })?;
         Ok(out)
+    }
+
+    /// Records a GPU node that reads `self` and writes a new buffer of
+    /// `out_shape` through `encode(gpu, input, output)`.
+    fn gpu_node1(
+        &self,
+        gpu: Arc<Gpu>,
+        name: &'static str,
+        location: Location,
+        out_shape: Shape,
+        encode: impl FnOnce(&Gpu, &wgpu::Buffer, &wgpu::Buffer) -> std::result::Result<(), String>
+            + Send
+            + 'static,
+    ) -> Tensor {
+        if let Err(e) = gpu.check_size(name, &out_shape, location) {
+            let mut out = self.poisoned(e);
+            out.shape = out_shape;
+            return out;
+        }
+        let n = out_shape.numel();
+        let out = self.output(out_shape);
+        let mut t = self.engine().task_at(name, location);
+        t.device(self.device);
+        let a = t.read(&self.var);
+        let o = t.write(&out.var);
+        let pending = gpu.expect_node();
+        // Cannot fail: both Vars belong to this engine.
+        let _ = t.push_fallible(move || {
+            let buf = gpu.alloc(n)?;
+            encode(&gpu, a.read().gpu()?, &buf)?;
+            *o.write() = Data::Gpu(buf);
+            drop(pending);
+            Ok(())
+        });
+        out
     }
 
     /// `out = expr(x, s)` elementwise on the GPU (unary ops and scalar operands).
@@ -163,22 +245,269 @@ impl Tensor {
         location: Location,
     ) -> Tensor {
         let n = self.numel();
-        let out = self.output(self.shape.clone());
-        let mut t = self.engine().task_at(name, location);
+        let info = [n as u32, s.to_bits()];
+        self.gpu_node1(gpu, name, location, self.shape.clone(), move |g, a, out| {
+            g.dispatch(Kernel::Map, &expr, &[a, out], &info, Grid::Elements(n))
+        })
+    }
+
+    /// A reduction on the GPU over the middle axis of `[outer, len, inner]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gpu_reduce(
+        &self,
+        gpu: Arc<Gpu>,
+        op: ReduceOp,
+        outer: usize,
+        len: usize,
+        inner: usize,
+        out_shape: Shape,
+        location: Location,
+    ) -> Tensor {
+        let kind = match op {
+            ReduceOp::Sum => 0,
+            ReduceOp::Mean => 1,
+            ReduceOp::Max => 2,
+            ReduceOp::Min => 3,
+            ReduceOp::Argmax => 4,
+        };
+        let outputs = outer * inner;
+        let info = [outputs as u32, len as u32, inner.max(1) as u32];
+        self.gpu_node1(gpu, op.name(), location, out_shape, move |g, a, out| {
+            g.dispatch(
+                Kernel::Reduce,
+                &kind.to_string(),
+                &[a, out],
+                &info,
+                Grid::Workgroups(outputs),
+            )
+        })
+    }
+
+    /// A layout change on the GPU: the output (contiguous, `out_shape`) takes
+    /// element `src_base + sum(index * src_strides)` of `self` at each index.
+    pub(crate) fn gpu_strided(
+        &self,
+        gpu: Arc<Gpu>,
+        name: &'static str,
+        out_shape: Shape,
+        src_base: usize,
+        src_strides: &[usize],
+        location: Location,
+    ) -> Tensor {
+        let info = strided_info(&out_shape, src_base, src_strides, 0, &out_shape.strides());
+        let n = out_shape.numel();
+        self.gpu_node1(gpu, name, location, out_shape, move |g, a, out| {
+            g.dispatch(Kernel::StridedCopy, "", &[a, out], &info, Grid::Elements(n))
+        })
+    }
+
+    /// Matrix product on the GPU (shapes validated by the caller).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gpu_matmul(
+        &self,
+        gpu: Arc<Gpu>,
+        other: &Tensor,
+        batch: usize,
+        (m, k, n): (usize, usize, usize),
+        b_batched: bool,
+        out_shape: Shape,
+        location: Location,
+    ) -> Result<Tensor> {
+        gpu.check_size("matmul", &out_shape, location)?;
+        let out = self.output(out_shape);
+        let mut t = self.engine().task_at("matmul", location);
         t.device(self.device);
         let a = t.read(&self.var);
         let o = t.write(&out.var);
-        let info = [n as u32, s.to_bits()];
+        let b = (!self.same_data(other)).then(|| t.read(&other.var));
+        let info = [m as u32, k as u32, n as u32, u32::from(b_batched)];
+        let grid = Grid::Exact(n.div_ceil(64) as u32, m.div_ceil(64) as u32, batch as u32);
         let pending = gpu.expect_node();
-        // Cannot fail: both Vars belong to this engine.
-        let _ = t.push_fallible(move || {
-            let buf = gpu.alloc(n)?;
-            gpu.dispatch(Kernel::Map, &expr, &[a.read().gpu()?, &buf], &info, n)?;
+        t.push_fallible(move || {
+            let buf = gpu.alloc(batch * m * n)?;
+            {
+                let ga = a.read();
+                let ab = ga.gpu()?;
+                match &b {
+                    Some(b) => {
+                        let gb = b.read();
+                        gpu.dispatch(Kernel::Matmul, "", &[ab, gb.gpu()?, &buf], &info, grid)?;
+                    }
+                    None => gpu.dispatch(Kernel::Matmul, "", &[ab, ab, &buf], &info, grid)?,
+                }
+            }
             *o.write() = Data::Gpu(buf);
             drop(pending);
             Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Joins GPU tensors along `axis` (validated by the caller): one strided copy
+    /// per input into its slice of the output.
+    pub(crate) fn gpu_concat(
+        gpu: Arc<Gpu>,
+        tensors: &[&Tensor],
+        axis: usize,
+        out_shape: Shape,
+        location: Location,
+    ) -> Result<Tensor> {
+        gpu.check_size("concat", &out_shape, location)?;
+        let first = tensors[0];
+        let out = first.output(out_shape.clone());
+        let mut task = first.engine().task_at("concat", location);
+        task.device(first.device);
+        let out_strides = out_shape.strides();
+        let mut offset = 0;
+        let mut parts = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let info = strided_info(
+                &t.shape,
+                0,
+                &t.shape.strides(),
+                offset * out_strides[axis],
+                &out_strides,
+            );
+            parts.push((task.read(&t.var), info, t.numel()));
+            offset += t.dims()[axis];
+        }
+        let o = task.write(&out.var);
+        let total = out_shape.numel();
+        let pending = gpu.expect_node();
+        task.push_fallible(move || {
+            let buf = gpu.alloc(total)?;
+            for (r, info, n) in &parts {
+                gpu.dispatch(
+                    Kernel::StridedCopy,
+                    "",
+                    &[r.read().gpu()?, &buf],
+                    info,
+                    Grid::Elements(*n),
+                )?;
+            }
+            *o.write() = Data::Gpu(buf);
+            drop(pending);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// `self = op(self, other)` in place on the GPU (`other` broadcasts to
+    /// `self`, checked by the caller).
+    pub(crate) fn gpu_inplace(
+        &self,
+        gpu: Arc<Gpu>,
+        other: &Tensor,
+        op: BinaryOp,
+        name: &'static str,
+        location: Location,
+    ) -> Result<()> {
+        let out_shape = self.shape.clone();
+        let full = broadcast_info(&self.shape, &other.shape, &out_shape);
+        // [n, rank, dims, b_strides]: drop the a-strides of the binary layout.
+        let rank = out_shape.rank();
+        let mut info = full[..2 + rank].to_vec();
+        info.extend_from_slice(&full[2 + 2 * rank..]);
+        let expr = binary_expr(op, "x", "y");
+        let n = self.numel();
+        let nb = other.numel();
+        let mut t = self.engine().task_at(name, location);
+        t.device(self.device);
+        drop(t.read(&self.var));
+        let w = t.write(&self.var);
+        let b = (!self.same_data(other)).then(|| t.read(&other.var));
+        let pending = gpu.expect_node();
+        t.push_fallible(move || {
+            let guard = w.write();
+            let ab = guard.gpu()?;
+            match &b {
+                Some(b) => gpu.dispatch(
+                    Kernel::Inplace,
+                    &expr,
+                    &[ab, b.read().gpu()?],
+                    &info,
+                    Grid::Elements(n),
+                )?,
+                None => {
+                    // A buffer cannot be bound read-only and read-write at once.
+                    let copy = gpu.alloc(nb)?;
+                    gpu.copy(ab, &copy, (nb * 4) as u64);
+                    gpu.dispatch(
+                        Kernel::Inplace,
+                        &expr,
+                        &[ab, &copy],
+                        &info,
+                        Grid::Elements(n),
+                    )?
+                }
+            }
+            drop(pending);
+            Ok(())
+        })
+    }
+
+    /// `self = expr(self, s)` in place on the GPU. `reads_self` is false for
+    /// overwrites (`fill_`), which also heal a poisoned target.
+    pub(crate) fn gpu_inplace_map(
+        &self,
+        gpu: Arc<Gpu>,
+        name: &'static str,
+        expr: String,
+        s: f32,
+        reads_self: bool,
+        location: Location,
+    ) {
+        let n = self.numel();
+        let info = [n as u32, s.to_bits()];
+        let mut t = self.engine().task_at(name, location);
+        t.device(self.device);
+        if reads_self {
+            drop(t.read(&self.var));
+        }
+        let w = t.write(&self.var);
+        let pending = gpu.expect_node();
+        // Cannot fail: one Var of this engine.
+        let _ = t.push_fallible(move || {
+            let mut guard = w.write();
+            if !matches!(&*guard, Data::Gpu(_)) {
+                // A poisoned or never-computed target: give it a buffer.
+                *guard = Data::Gpu(gpu.alloc(n)?);
+            }
+            gpu.dispatch(
+                Kernel::InplaceMap,
+                &expr,
+                &[guard.gpu()?],
+                &info,
+                Grid::Elements(n),
+            )?;
+            drop(pending);
+            Ok(())
         });
-        out
+    }
+
+    /// `self = src` on the GPU (same shape, checked by the caller).
+    pub(crate) fn gpu_copy_from(
+        &self,
+        gpu: Arc<Gpu>,
+        src: &Tensor,
+        location: Location,
+    ) -> Result<()> {
+        if self.same_data(src) {
+            return Ok(());
+        }
+        let n = self.numel();
+        let mut t = self.engine().task_at("copy_from", location);
+        t.device(self.device);
+        let w = t.write(&self.var);
+        let r = t.read(&src.var);
+        let pending = gpu.expect_node();
+        t.push_fallible(move || {
+            let buf = gpu.alloc(n)?;
+            gpu.copy(r.read().gpu()?, &buf, (n * 4) as u64);
+            *w.write() = Data::Gpu(buf);
+            drop(pending);
+            Ok(())
+        })
     }
 
     pub(crate) fn gpu_scalar(
@@ -211,7 +540,7 @@ mod tests {
     #[test]
     fn every_shader_specialization_validates() {
         let specs = all_specializations();
-        assert!(specs.len() >= 13 * 3 + 8);
+        assert!(specs.len() >= 13 * 5 + 8 * 2 + 8);
         for (kernel, expr) in specs {
             let source = kernel.specialize(&expr);
             assert!(

@@ -1,5 +1,6 @@
 //! Tensor ops: record-time validation, then one node per op.
 
+use super::gpu_ops::binary_expr_xs;
 use super::kernels::{self, BinaryOp, ReduceOp, UnaryOp};
 use super::{Data, Shape, Tensor};
 use crate::device::Device;
@@ -93,7 +94,7 @@ impl Tensor {
     }
 
     /// A tensor whose blockers return `err` (for operators, which cannot return it).
-    fn poisoned(&self, err: Error) -> Tensor {
+    pub(super) fn poisoned(&self, err: Error) -> Tensor {
         Tensor {
             shape: self.shape.clone(),
             var: self.engine().poisoned_var(Data::default(), Arc::new(err)),
@@ -205,15 +206,21 @@ impl Tensor {
         name: &'static str,
         location: Location,
         kind: Update,
+        gpu_expr: (&str, f32),
         f: impl FnOnce(&mut Vec<f32>) + Send + 'static,
     ) {
+        if let Ok(Some(gpu)) = self.gpu(name, location) {
+            let reads_self = matches!(kind, Update::ReadModifyWrite);
+            let (expr, s) = gpu_expr;
+            return self.gpu_inplace_map(gpu, name, expr.to_string(), s, reads_self, location);
+        }
         let mut t = self.engine().task_at(name, location);
         t.device(self.device);
         kind.declare(&mut t, &self.var);
         let w = t.write(&self.var);
         if self.device != Device::Cpu {
-            // No GPU kernel yet: the update fails at run time and poisons `self`,
-            // since this method cannot return the error.
+            // The device does not exist: the update fails at run time and
+            // poisons `self`, since this method cannot return the error.
             let message = self.unsupported(name, location).to_string();
             let _ = t.push_fallible(move || {
                 drop(w);
@@ -297,6 +304,9 @@ impl Tensor {
                 "the right operand must broadcast to the left one",
                 location,
             ));
+        }
+        if let Some(gpu) = self.gpu(name, location)? {
+            return self.gpu_inplace(gpu, other, op, name, location);
         }
         let (sa, sb) = (self.shape.clone(), other.shape.clone());
         self.update2(
@@ -441,7 +451,8 @@ macro_rules! inplace_methods {
                 /// With a scalar right operand.
                 #[track_caller]
                 pub fn $scalar(&self, s: f32) {
-                    self.update1(stringify!($scalar), Location::caller(), Update::ReadModifyWrite, move |a| {
+                    let expr = binary_expr_xs(BinaryOp::$op);
+                    self.update1(stringify!($scalar), Location::caller(), Update::ReadModifyWrite, (&expr, s), move |a| {
                         kernels::binary_scalar_inplace(BinaryOp::$op, a, s)
                     })
                 }
@@ -467,10 +478,16 @@ impl Tensor {
     pub fn fill_(&self, value: f32) {
         let n = self.numel();
         // The whole buffer is replaced, so the target need not have had a value.
-        self.update1("fill_", Location::caller(), Update::Overwrite, move |a| {
-            a.clear();
-            a.resize(n, value);
-        })
+        self.update1(
+            "fill_",
+            Location::caller(),
+            Update::Overwrite,
+            ("s", value),
+            move |a| {
+                a.clear();
+                a.resize(n, value);
+            },
+        )
     }
 
     /// In place: copies `src` (same shape) into `self`.
@@ -486,6 +503,9 @@ impl Tensor {
                 location,
             ));
         }
+        if let Some(gpu) = self.gpu("copy_from", location)? {
+            return self.gpu_copy_from(gpu, src, location);
+        }
         self.update2(src, "copy_from", location, Update::Overwrite, |a, b| {
             a.clear();
             a.extend_from_slice(b);
@@ -495,14 +515,26 @@ impl Tensor {
     /// In place: applies a unary op (e.g. `relu_`).
     #[track_caller]
     pub fn relu_(&self) {
-        self.update1("relu_", Location::caller(), Update::ReadModifyWrite, |a| {
-            kernels::unary_inplace(UnaryOp::Relu, a)
-        })
+        self.update1(
+            "relu_",
+            Location::caller(),
+            Update::ReadModifyWrite,
+            ("max(x, 0.0)", 0.0),
+            |a| kernels::unary_inplace(UnaryOp::Relu, a),
+        )
     }
 
     // ----- reductions -------------------------------------------------------
 
     fn reduce_all_at(&self, op: ReduceOp, location: Location) -> Tensor {
+        match self.gpu(op.name(), location) {
+            Ok(Some(gpu)) => {
+                let n = self.numel();
+                return self.gpu_reduce(gpu, op, 1, n, 1, Shape::scalar(), location);
+            }
+            Ok(None) => {}
+            Err(e) => return self.poisoned(e),
+        }
         self.map1(op.name(), location, Shape::scalar(), move |a| {
             vec![kernels::reduce_all(op, a)]
         })
@@ -513,6 +545,12 @@ impl Tensor {
         let mut dims = self.dims().to_vec();
         dims.remove(axis);
         let out_shape = Shape::from(dims);
+        if let Some(gpu) = self.gpu(op.name(), location)? {
+            let d = self.dims();
+            let outer = d[..axis].iter().product();
+            let inner = d[axis + 1..].iter().product();
+            return Ok(self.gpu_reduce(gpu, op, outer, d[axis], inner, out_shape, location));
+        }
         let n = out_shape.numel();
         let shape = self.shape.clone();
         Ok(self.map1(op.name(), location, out_shape, move |a| {
@@ -589,6 +627,17 @@ impl Tensor {
         let batch: usize = batch_dims.iter().product();
         let mut out_dims = batch_dims.to_vec();
         out_dims.extend([m, n]);
+        if let Some(gpu) = self.gpu("matmul", location)? {
+            return self.gpu_matmul(
+                gpu,
+                other,
+                batch,
+                (m, k, n),
+                b_batched,
+                Shape::from(out_dims),
+                location,
+            );
+        }
         self.map2(
             other,
             "matmul",
@@ -612,6 +661,18 @@ impl Tensor {
         check_axis("transpose", &self.shape, dim1, location)?;
         let mut dims = self.dims().to_vec();
         dims.swap(dim0, dim1);
+        if let Some(gpu) = self.gpu("transpose", location)? {
+            let mut strides = self.shape.strides().to_vec();
+            strides.swap(dim0, dim1);
+            return Ok(self.gpu_strided(
+                gpu,
+                "transpose",
+                Shape::from(dims),
+                0,
+                &strides,
+                location,
+            ));
+        }
         let shape = self.shape.clone();
         Ok(
             self.map1("transpose", location, Shape::from(dims), move |a| {
@@ -628,6 +689,18 @@ impl Tensor {
         let location = Location::caller();
         if self.shape.rank() != 2 {
             return Err(arg_err("t", &self.shape, "needs a 2-D tensor", location));
+        }
+        if let Some(gpu) = self.gpu("t", location)? {
+            let st = self.shape.strides();
+            let dims = [self.dims()[1], self.dims()[0]];
+            return Ok(self.gpu_strided(
+                gpu,
+                "transpose",
+                Shape::from(dims),
+                0,
+                &[st[1], st[0]],
+                location,
+            ));
         }
         let shape = self.shape.clone();
         Ok(self.map1(
@@ -679,6 +752,20 @@ impl Tensor {
                 location,
             ));
         }
+        if let Some(gpu) = self.gpu("broadcast_to", location)? {
+            let own = self.shape.strides();
+            let offset = target.rank() - self.shape.rank();
+            let strides: Vec<usize> = (0..target.rank())
+                .map(|d| {
+                    if d < offset || self.dims()[d - offset] == 1 {
+                        0
+                    } else {
+                        own[d - offset]
+                    }
+                })
+                .collect();
+            return Ok(self.gpu_strided(gpu, "broadcast_to", target, 0, &strides, location));
+        }
         let (from, to) = (self.shape.clone(), target.clone());
         Ok(self.map1("broadcast_to", location, target, move |a| {
             let mut out = vec![0.0; to.numel()];
@@ -704,16 +791,37 @@ impl Tensor {
                 location,
             ));
         }
+        Ok(self.narrow_at("narrow", axis, start, len, location))
+    }
+
+    /// `narrow` without the checks (done by the callers).
+    fn narrow_at(
+        &self,
+        name: &'static str,
+        axis: usize,
+        start: usize,
+        len: usize,
+        location: Location,
+    ) -> Tensor {
         let mut dims = self.dims().to_vec();
         dims[axis] = len;
         let out_shape = Shape::from(dims);
+        match self.gpu(name, location) {
+            Ok(Some(gpu)) => {
+                let strides = self.shape.strides();
+                let base = start * strides[axis];
+                return self.gpu_strided(gpu, name, out_shape, base, &strides, location);
+            }
+            Ok(None) => {}
+            Err(e) => return self.poisoned(e),
+        }
         let n = out_shape.numel();
         let shape = self.shape.clone();
-        Ok(self.map1("narrow", location, out_shape, move |a| {
+        self.map1(name, location, out_shape, move |a| {
             let mut out = vec![0.0; n];
             kernels::narrow(a, shape.dims(), axis, start, len, &mut out);
             out
-        }))
+        })
     }
 
     /// Splits along `axis` into pieces of `sizes` (which must add up to the axis).
@@ -736,23 +844,10 @@ impl Tensor {
         let mut start = 0;
         let mut out = Vec::with_capacity(sizes.len());
         for &len in sizes {
-            out.push(self.narrow_at(axis, start, len, location));
+            out.push(self.narrow_at("split", axis, start, len, location));
             start += len;
         }
         Ok(out)
-    }
-
-    fn narrow_at(&self, axis: usize, start: usize, len: usize, location: Location) -> Tensor {
-        let mut dims = self.dims().to_vec();
-        dims[axis] = len;
-        let out_shape = Shape::from(dims);
-        let n = out_shape.numel();
-        let shape = self.shape.clone();
-        self.map1("split", location, out_shape, move |a| {
-            let mut out = vec![0.0; n];
-            kernels::narrow(a, shape.dims(), axis, start, len, &mut out);
-            out
-        })
     }
 
     /// Joins tensors along `axis`; all other dimensions must agree.
@@ -768,9 +863,6 @@ impl Tensor {
             ));
         };
         first.check_device("concat", &tensors[1..], location)?;
-        if first.device != Device::Cpu {
-            return Err(first.unsupported("concat", location));
-        }
         check_axis("concat", &first.shape, axis, location)?;
         let shapes: Vec<&Shape> = tensors.iter().map(|t| &t.shape).collect();
         let fits = |s: &Shape| {
@@ -791,6 +883,9 @@ impl Tensor {
         }
         let mut dims = first.dims().to_vec();
         dims[axis] = tensors.iter().map(|t| t.dims()[axis]).sum();
+        if let Some(gpu) = first.gpu("concat", location)? {
+            return Tensor::gpu_concat(gpu, tensors, axis, Shape::from(dims), location);
+        }
         let out = first.output(Shape::from(dims));
         let mut task = first.engine().task_at("concat", location);
         task.device(first.device);
@@ -897,10 +992,12 @@ macro_rules! operator {
         impl ops::$assign<f32> for Tensor {
             #[track_caller]
             fn $assign_method(&mut self, rhs: f32) {
+                let expr = binary_expr_xs(BinaryOp::$op);
                 self.update1(
                     $inplace,
                     Location::caller(),
                     Update::ReadModifyWrite,
+                    (&expr, rhs),
                     move |a| kernels::binary_scalar_inplace(BinaryOp::$op, a, rhs),
                 )
             }
