@@ -35,6 +35,10 @@ pub struct TaskBuilder<'e> {
     meta: NodeMeta,
     reads: VarIds,
     writes: SmallVec<[crate::graph::VarId; 2]>,
+    /// The handles of every Var named, until the task is recorded: dropping the
+    /// last handle of a Var queues its removal from the graph, which must come
+    /// after this record.
+    keep: SmallVec<[Arc<dyn crate::var::KeepAlive>; 4]>,
     mismatch: bool,
 }
 
@@ -114,6 +118,7 @@ impl Engine {
             },
             reads: SmallVec::new(),
             writes: SmallVec::new(),
+            keep: SmallVec::new(),
             mismatch: false,
         }
     }
@@ -121,20 +126,22 @@ impl Engine {
 
 impl<'e> TaskBuilder<'e> {
     /// Declares a read of `var` and returns the token to read it in the task.
-    pub fn read<T>(&mut self, var: &Var<T>) -> Read<T> {
+    pub fn read<T: Send + Sync + 'static>(&mut self, var: &Var<T>) -> Read<T> {
         self.check(var);
         if !self.reads.contains(&var.id()) {
             self.reads.push(var.id());
+            self.keep.push(var.keep_alive());
         }
         var.read_token()
     }
 
     /// Declares a write of `var` and returns the token to write it in the task. A
     /// Var may be both read and written by one task (an in-place update).
-    pub fn write<T>(&mut self, var: &Var<T>) -> Write<T> {
+    pub fn write<T: Send + Sync + 'static>(&mut self, var: &Var<T>) -> Write<T> {
         self.check(var);
         if !self.writes.contains(&var.id()) {
             self.writes.push(var.id());
+            self.keep.push(var.keep_alive());
         }
         var.write_token()
     }
@@ -215,9 +222,12 @@ impl<'e> TaskBuilder<'e> {
                 location: self.meta.location,
             });
         }
+        let keep = self.keep;
         self.engine
             .shared()
             .record(self.meta, self.reads, self.writes, task);
+        // Only now may a Var named here be forgotten.
+        drop(keep);
         Ok(())
     }
 }

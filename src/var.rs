@@ -42,6 +42,10 @@ impl<T> Clone for Var<T> {
     }
 }
 
+/// Keeps a Var handle alive without knowing its type (see `TaskBuilder`).
+pub(crate) trait KeepAlive: Send + Sync {}
+impl<T: Send + Sync> KeepAlive for VarHandle<T> {}
+
 struct VarHandle<T> {
     id: VarId,
     engine: Engine,
@@ -155,6 +159,15 @@ impl<T> Var<T> {
     /// The engine that manages this Var.
     pub fn engine(&self) -> &Engine {
         &self.inner.engine
+    }
+
+    /// The handle, type-erased: held by a task builder so that the Var cannot be
+    /// forgotten by the graph before the task that names it is recorded.
+    pub(crate) fn keep_alive(&self) -> Arc<dyn KeepAlive>
+    where
+        T: Send + Sync + 'static,
+    {
+        self.inner.clone()
     }
 
     pub(crate) fn read_token(&self) -> Read<T> {

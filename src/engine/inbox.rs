@@ -53,6 +53,9 @@ impl Inbox {
     /// than the gap between the backpressure marks, so that applying a batch
     /// after draining to the low mark cannot overshoot the high mark.
     pub(crate) fn batch(high: usize, low: usize) -> usize {
+        if high == usize::MAX {
+            return 64; // unbounded
+        }
         (high - low).clamp(1, 64)
     }
 }

@@ -71,9 +71,13 @@ pub(crate) struct Locked {
     all_waiters: usize,
     /// Frontend threads stalled by backpressure.
     bp_waiters: usize,
-    /// The backpressure waiters were already woken for the current drain (one
-    /// notification per stall, not one per completion below the low mark).
+    /// The backpressure waiters were woken since one of them last went to sleep
+    /// (one notification per wait, not one per completion below the low mark).
     bp_signalled: bool,
+    /// Threads in `wait_all` or stalled by backpressure in Lazy mode. While there
+    /// are any, every node entering the graph is demanded at once: those waits
+    /// end only when the graph drains, so nothing may sit there undemanded.
+    global_demand: usize,
     peak_live: usize,
     /// Counted under the lock that is held anyway (no extra shared cache lines
     /// on the hot paths).
@@ -145,6 +149,7 @@ impl Engine {
                 all_waiters: 0,
                 bp_waiters: 0,
                 bp_signalled: false,
+                global_demand: 0,
                 peak_live: 0,
                 tally: Tally::default(),
             }),
@@ -333,7 +338,10 @@ impl Shared {
         writes: SmallVec<[VarId; 2]>,
         task: Task,
     ) {
-        if self.config.mode == Mode::Lazy {
+        // Records from inside a task go straight to the graph: a worker never
+        // waits on backpressure, so it must not leave work in the inbox for a
+        // stalled frontend to find.
+        if self.config.mode == Mode::Lazy && !sched::on_worker_of(self.id) {
             let full = {
                 let mut inbox = lock(&self.inbox);
                 inbox.entries.push(Entry::Record {
@@ -353,11 +361,14 @@ impl Shared {
             return;
         }
         let mut pushed = 0;
+        let on_worker = sched::on_worker_of(self.id);
         let mut st = lock(&self.state);
-        if st.graph.live_nodes() >= self.config.high && !sched::on_worker_of(self.id) {
+        if st.graph.live_nodes() >= self.config.high && !on_worker {
             st = self.backpressure(st);
         }
-        if self.inbox_len.load(std::sync::atomic::Ordering::Relaxed) >= self.batch {
+        // Keep program order with what this thread queued (other threads' entries
+        // are unordered with this record anyway; the hint is exact for our own).
+        if self.inbox_len.load(std::sync::atomic::Ordering::Relaxed) > 0 {
             self.apply_inbox(&mut st);
         }
         let status = task.status.clone();
@@ -370,10 +381,12 @@ impl Shared {
         if live > st.peak_live {
             st.peak_live = live;
         }
-        st.graph.demand(&[id], &mut |r| {
-            sched::publish(self, r);
-            pushed += 1;
-        });
+        if self.config.mode != Mode::Lazy || st.global_demand > 0 {
+            st.graph.demand(&[id], &mut |r| {
+                sched::publish(self, r);
+                pushed += 1;
+            });
+        }
         drop(st);
         self.sleep.wake(pushed);
         if self.config.mode == Mode::Sync {
@@ -426,6 +439,7 @@ impl Shared {
             std::mem::replace(&mut inbox.entries, spare)
         };
         let mut entries = entries;
+        let mut pushed = 0;
         for entry in entries.drain(..) {
             match entry {
                 Entry::Record {
@@ -440,6 +454,12 @@ impl Shared {
                         s.set_node(id);
                     }
                     st.tally.recorded += 1;
+                    if st.global_demand > 0 {
+                        st.graph.demand(&[id], &mut |r| {
+                            sched::publish(self, r);
+                            pushed += 1;
+                        });
+                    }
                 }
                 Entry::DropVar(v) => st.graph.drop_var(v),
             }
@@ -453,6 +473,8 @@ impl Shared {
         if inbox.spare.capacity() < entries.capacity() {
             inbox.spare = entries;
         }
+        drop(inbox);
+        self.sleep.wake(pushed);
     }
 
     /// A new Var id, from the pool reserved in the graph.
@@ -491,7 +513,8 @@ impl Shared {
         self.counters
             .backpressure_stalls
             .fetch_add(1, Ordering::Relaxed);
-        if self.config.mode == Mode::Lazy {
+        let lazy = self.config.mode == Mode::Lazy;
+        if lazy {
             let mut pushed = 0;
             st.graph.demand_all(&mut |r| {
                 sched::publish(self, r);
@@ -499,13 +522,21 @@ impl Shared {
             });
             st.tally.flushes += 1;
             self.sleep.wake(pushed);
+            st.global_demand += 1;
         }
         st.bp_waiters += 1;
-        st.bp_signalled = false;
-        while st.graph.live_nodes() > self.config.low {
+        // Resume below the high mark even when the marks are equal.
+        let resume_at = self.config.low.min(self.config.high - 1);
+        while st.graph.live_nodes() > resume_at {
+            // Re-armed by every waiter that goes (back) to sleep: another frontend
+            // may have refilled the graph since the last notification.
+            st.bp_signalled = false;
             st = wait(&self.changed, st);
         }
         st.bp_waiters -= 1;
+        if lazy {
+            st.global_demand -= 1;
+        }
         st
     }
 
@@ -513,10 +544,30 @@ impl Shared {
     /// dependent they made ready, to be run next by the same thread; other ready
     /// dependents go to the queues.
     pub(crate) fn complete(&self, finished: &mut Vec<sched::Finished>) -> Option<Work> {
+        self.complete_locked(lock(&self.state), finished)
+    }
+
+    /// [`Shared::complete`] if the engine lock is free right now; `None` (and
+    /// `finished` untouched) if another thread holds it.
+    pub(crate) fn try_complete(&self, finished: &mut Vec<sched::Finished>) -> Option<Option<Work>> {
+        match self.state.try_lock() {
+            Ok(st) => Some(self.complete_locked(st, finished)),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                Some(self.complete_locked(p.into_inner(), finished))
+            }
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    fn complete_locked(
+        &self,
+        st: MutexGuard<'_, Locked>,
+        finished: &mut Vec<sched::Finished>,
+    ) -> Option<Work> {
         let mut next = None;
         let mut pushed = 0;
         let notify = {
-            let mut st = lock(&self.state);
+            let mut st = st;
             let mut notify = false;
             for (node, outcome, status) in finished.drain(..) {
                 match &outcome {
@@ -539,7 +590,9 @@ impl Shared {
                 notify |= waited;
             }
             let live = st.graph.live_nodes();
-            let drained = st.bp_waiters > 0 && !st.bp_signalled && live <= self.config.low;
+            let drained = st.bp_waiters > 0
+                && !st.bp_signalled
+                && live <= self.config.low.min(self.config.high - 1);
             if drained {
                 st.bp_signalled = true;
             }
@@ -578,13 +631,18 @@ impl Shared {
         if roots.is_empty() {
             return Ok(());
         }
+        let mut allowed = None;
         if on_worker {
-            if let Some(current) = sched::current_node() {
-                if st.graph.analysis().is_ancestor(current, &roots) {
-                    let meta = st.graph.meta(current);
+            // Any task suspended on this thread (not only the innermost) that the
+            // targets depend on can never finish while this wait lasts.
+            let analysis = st.graph.analysis();
+            for node in sched::running_nodes().into_iter().rev() {
+                if analysis.is_ancestor(node, &roots) {
+                    let meta = st.graph.meta(node);
                     return Err(deadlock_error(meta));
                 }
             }
+            allowed = Some(analysis.ancestors(&roots));
         }
         let mut pushed = 0;
         st.graph.demand(&roots, &mut |r| {
@@ -597,9 +655,9 @@ impl Shared {
         }
         self.sleep.wake(pushed);
         let done = |g: &Graph<Task>| roots.iter().all(|r| !g.is_live(*r));
-        if on_worker {
+        if let Some(allowed) = allowed {
             drop(st);
-            self.help_until(done);
+            self.help_until(done, &allowed);
             return Ok(());
         }
         while !done(&st.graph) {
@@ -616,7 +674,9 @@ impl Shared {
                 return Err(deadlock_error(meta));
             }
         }
-        let mut st = self.lock_applied();
+        let mut st = lock(&self.state);
+        st.global_demand += 1;
+        self.apply_inbox(&mut st);
         let mut pushed = 0;
         st.graph.demand_all(&mut |r| {
             sched::publish(self, r);
@@ -625,29 +685,60 @@ impl Shared {
         st.tally.flushes += 1;
         self.sleep.wake(pushed);
         st.all_waiters += 1;
-        while st.graph.live_nodes() > 0 {
+        loop {
+            // Whatever entered the inbox meanwhile is part of the barrier too.
+            self.apply_inbox(&mut st);
+            if st.graph.live_nodes() == 0 {
+                break;
+            }
             st = wait(&self.changed, st);
         }
         st.all_waiters -= 1;
+        st.global_demand -= 1;
         Ok(())
     }
 
     /// A worker blocked inside a task keeps the pool going: it runs queued work
-    /// until `done` holds, and naps briefly when there is none (the work it waits
-    /// for may be running on another thread).
+    /// that the wait needs (`allowed`: the targets and their ancestors, fixed when
+    /// the wait began, since a later node cannot be an ancestor) until `done`
+    /// holds, and naps briefly when there is none (the work it waits for may be
+    /// running on another thread). Running anything else could suspend, under this
+    /// wait, a task that itself needs a task suspended further down this stack.
     #[cold]
-    fn help_until(&self, done: impl Fn(&Graph<Task>) -> bool) {
+    fn help_until(
+        &self,
+        done: impl Fn(&Graph<Task>) -> bool,
+        allowed: &std::collections::HashSet<NodeId>,
+    ) {
+        let mut others = Vec::new();
         loop {
             if done(&lock(&self.state).graph) {
-                return;
+                break;
             }
-            if let Some(work) = sched::find_work(self) {
-                sched::run_chain(self, work);
+            let mut ran = false;
+            while let Some(work) = sched::find_work(self) {
+                if allowed.contains(&work.node) {
+                    sched::run_completing(self, work, |n| allowed.contains(&n));
+                    ran = true;
+                    break;
+                }
+                others.push(work);
+                if others.len() >= 64 {
+                    break;
+                }
+            }
+            // Work this wait does not need goes back for the other workers.
+            let n = others.len();
+            for work in others.drain(..) {
+                self.injector.push(work);
+            }
+            self.sleep.wake(n);
+            if ran {
                 continue;
             }
             let st = lock(&self.state);
             if done(&st.graph) {
-                return;
+                break;
             }
             let _ = self.changed.wait_timeout(st, Duration::from_micros(200));
         }

@@ -53,6 +53,22 @@ impl Analysis {
         false
     }
 
+    /// `roots` and all their live ancestors.
+    pub(crate) fn ancestors(&self, roots: &[NodeId]) -> std::collections::HashSet<NodeId> {
+        let reversed = Reversed(&self.dag);
+        let mut dfs = Dfs::empty(reversed);
+        let mut out = std::collections::HashSet::new();
+        for r in roots {
+            if let Some(&start) = self.index.get(r) {
+                dfs.move_to(start);
+                while let Some(n) = dfs.next(reversed) {
+                    out.insert(self.dag[n].0);
+                }
+            }
+        }
+        out
+    }
+
     /// The live DAG in Graphviz DOT; demanded nodes are drawn bold.
     pub(crate) fn to_dot(&self) -> String {
         let mut out = String::from("digraph lazyflow {\n  node [shape=box];\n");

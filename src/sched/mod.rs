@@ -16,7 +16,7 @@ use crate::error::SharedError;
 use crate::graph::{NodeId, Outcome, Ready};
 use crate::sync::{Arc, Ordering};
 use crossbeam_deque::{Steal, Worker};
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
@@ -37,8 +37,10 @@ struct WorkerCtx {
 thread_local! {
     /// Set on worker threads for their whole life.
     static WORKER: RefCell<Option<WorkerCtx>> = const { RefCell::new(None) };
-    /// The node this thread is running, if any (for deadlock checks in blockers).
-    static CURRENT: Cell<Option<NodeId>> = const { Cell::new(None) };
+    /// The nodes this thread is running, innermost last: a blocker inside a task
+    /// runs other tasks while it waits, so several can be suspended on one stack
+    /// (for deadlock checks in blockers).
+    static RUNNING: RefCell<Vec<NodeId>> = const { RefCell::new(Vec::new()) };
     /// Nodes this worker ran whose completion is batched (see [`run_chain`]).
     static PENDING: RefCell<Vec<Finished>> = const { RefCell::new(Vec::new()) };
 }
@@ -51,7 +53,12 @@ pub(crate) fn on_worker_of(engine: u64) -> bool {
 
 /// The node the calling thread is running, if it is inside a task.
 pub(crate) fn current_node() -> Option<NodeId> {
-    CURRENT.with(|c| c.get())
+    RUNNING.with(|r| r.borrow().last().copied())
+}
+
+/// Every node suspended or running on this thread, innermost last.
+pub(crate) fn running_nodes() -> Vec<NodeId> {
+    RUNNING.with(|r| r.borrow().clone())
 }
 
 /// Publishes ready work from any thread: onto this worker's own deque when called
@@ -152,16 +159,21 @@ const BATCH_WINDOW: Duration = Duration::from_micros(20);
 /// A node that ran, waiting to be completed.
 pub(crate) type Finished = (NodeId, Outcome, Option<Arc<crate::task::TaskStatus>>);
 
-/// Runs `work`, then more work from this worker's own deque, and completes the
-/// finished nodes in batches: one lock acquisition per batch instead of per node,
-/// which is what keeps two workers running tiny independent nodes from spending
-/// their time handing the engine lock back and forth. A batch closes when it is
-/// full, when the deque is empty, or [`BATCH_WINDOW`] after its first node
-/// finished. The first dependent a completion releases is run next, with no queue
-/// in between, so a chain stays on one thread.
+/// Runs `work` and completes it, and then the first dependent it releases, with
+/// no queue in between, so a chain stays on one thread.
+///
+/// When the engine lock is busy at the moment a node finishes, its completion
+/// is deferred and the worker goes on with its own deque, completing the
+/// finished nodes together later: one lock acquisition per batch instead of per
+/// node, which is what keeps two workers running tiny independent nodes from
+/// spending their time handing the lock back and forth. A batch closes when it
+/// is full, when the deque is empty, or when the lock is free again, and it is
+/// not extended after [`BATCH_WINDOW`]. A node is thus only held back while other
+/// threads are busy in the engine, and never across a blocker (which completes
+/// this thread's batch before it waits).
 pub(crate) fn run_chain(shared: &Shared, mut work: Work) {
-    // When the current batch's first node finished; read lazily, so that a chain
-    // (nothing else queued) pays no clock reads.
+    // When the current batch's first node finished; read lazily, so that the
+    // uncontended path pays no clock reads.
     let mut opened: Option<Instant> = None;
     loop {
         let node = work.node;
@@ -172,24 +184,79 @@ pub(crate) fn run_chain(shared: &Shared, mut work: Work) {
             p.len()
         });
         if pending < BATCH {
-            if let Some(more) = pop_local(shared) {
-                let opened_at = *opened.get_or_insert_with(Instant::now);
-                if opened_at.elapsed() < BATCH_WINDOW {
-                    work = more;
+            match try_complete_pending(shared) {
+                Some(Some(next)) => {
+                    opened = None;
+                    work = next;
                     continue;
                 }
-                // The window closed: complete the batch, then run what was popped.
-                opened = None;
-                if let Some(next) = complete_pending(shared) {
-                    publish(shared, next);
+                Some(None) => {
+                    opened = None;
+                    match pop_local(shared) {
+                        Some(more) => {
+                            work = more;
+                            continue;
+                        }
+                        None => return,
+                    }
                 }
-                work = more;
-                continue;
+                // The lock is busy: keep the node in the batch and go on.
+                None => {
+                    if let Some(more) = pop_local(shared) {
+                        let opened_at = *opened.get_or_insert_with(Instant::now);
+                        if opened_at.elapsed() < BATCH_WINDOW {
+                            work = more;
+                            continue;
+                        }
+                        opened = None;
+                        if let Some(next) = complete_pending(shared) {
+                            publish(shared, next);
+                        }
+                        work = more;
+                        continue;
+                    }
+                }
             }
         }
         opened = None;
         match complete_pending(shared) {
             Some(next) => work = next,
+            None => return,
+        }
+    }
+}
+
+/// [`complete_pending`] if the engine lock is free; `None` if it is busy.
+fn try_complete_pending(shared: &Shared) -> Option<Option<Work>> {
+    let mut batch = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    let result = shared.try_complete(&mut batch);
+    PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        if result.is_none() {
+            // Not completed: put the batch back (nothing was added meanwhile).
+            *p = batch;
+        } else if p.is_empty() {
+            *p = batch;
+        }
+    });
+    result
+}
+
+/// Runs `work` and completes it at once, then the dependents it releases for as
+/// long as `allowed` accepts them (the rest go to the queues). Used by blockers
+/// inside tasks, which must only run what they wait for.
+pub(crate) fn run_completing(shared: &Shared, mut work: Work, allowed: impl Fn(NodeId) -> bool) {
+    loop {
+        let node = work.node;
+        let (outcome, status) = execute(work);
+        let mut one = vec![(node, outcome, status)];
+        match shared.complete(&mut one) {
+            Some(next) if allowed(next.node) => work = next,
+            Some(next) => {
+                publish(shared, next);
+                shared.sleep.wake(1);
+                return;
+            }
             None => return,
         }
     }
@@ -227,12 +294,14 @@ fn execute(work: Work) -> (Outcome, Option<Arc<crate::task::TaskStatus>>) {
     let Ready { node, job, skip } = work;
     let Task { run, status } = job;
     if let Some(err) = skip {
-        drop(run);
+        // The closure's captures are dropped without running it; a panicking
+        // Drop must not take the worker down with it.
+        let _ = catch_unwind(AssertUnwindSafe(move || drop(run)));
         return (Outcome::Skipped(err), status);
     }
-    let outer = CURRENT.with(|c| c.replace(Some(node)));
+    RUNNING.with(|r| r.borrow_mut().push(node));
     let result = catch_unwind(AssertUnwindSafe(run));
-    CURRENT.with(|c| c.set(outer));
+    RUNNING.with(|r| r.borrow_mut().pop());
     let outcome = match result {
         Ok(Ok(())) => Outcome::Done,
         Ok(Err(message)) => Outcome::Failed(message),

@@ -1,6 +1,7 @@
-//! Review probes: each test demonstrates one suspected engine bug. A hang is
-//! detected by running the scenario on a separate thread with a deadline (the hung
-//! thread is leaked).
+//! Regression tests, one per engine bug fixed: hangs, lost wake-ups and ordering
+//! mistakes found in interleavings of several frontends, tasks that record or
+//! block, backpressure and batched completion. A hang is detected by running the
+//! scenario on a separate thread with a deadline (a hung thread is leaked).
 
 use lazyflow::{Engine, Mode};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -29,13 +30,12 @@ fn spin_until(flag: &AtomicBool) {
     }
 }
 
-/// Lazy + backpressure: the frontend stalls in `commit_batch` with its full batch
-/// still in the inbox. A running task records a node (inbox already full, so the
-/// worker calls `commit_batch`, which skips backpressure on a worker and applies
-/// the inbox): the frontend's batch and the child enter the graph undemanded, and
-/// the frontend waits for `live <= low` forever.
+/// Lazy + backpressure, a task that records: the stalled frontend's batch and the
+/// child used to enter the graph undemanded while the frontend waited for the low
+/// mark forever. Now records from tasks go straight to the graph, and every node
+/// entering it while a frontend is stalled is demanded.
 #[test]
-fn lazy_backpressure_hangs_when_a_task_records() {
+fn lazy_backpressure_with_a_task_that_records_finishes() {
     within(20, "Lazy backpressure + task that records", || {
         let e = Engine::builder()
             .mode(Mode::Lazy)
@@ -61,11 +61,10 @@ fn lazy_backpressure_hangs_when_a_task_records() {
     });
 }
 
-/// Same stall, but the task only calls a blocker (`get` on an unrelated, already
-/// settled Var): `wait_for` -> `lock_applied` applies the stalled frontend's batch
-/// undemanded.
+/// Same stall, with a task that only calls a blocker (which applies the inbox):
+/// the applied batch used to stay undemanded.
 #[test]
-fn lazy_backpressure_hangs_when_a_task_calls_a_blocker() {
+fn lazy_backpressure_with_a_task_that_blocks_finishes() {
     within(20, "Lazy backpressure + blocker inside task", || {
         let e = Engine::builder()
             .mode(Mode::Lazy)
@@ -85,12 +84,11 @@ fn lazy_backpressure_hangs_when_a_task_calls_a_blocker() {
     });
 }
 
-/// Two Lazy frontends stalled together: the first to wake applies the whole inbox
-/// (both threads' entries, undemanded), the second sees `live > low`, waits again,
-/// and `bp_signalled` is already true, so nothing wakes it unless someone else
-/// stalls later. When the other frontend stops recording it waits forever.
+/// Two Lazy frontends stalled together: the second to wake used to find the
+/// graph refilled, wait again, and never be notified. Every waiter that goes back
+/// to sleep now re-arms the notification.
 #[test]
-fn lazy_two_frontends_backpressure_lost_wakeup() {
+fn lazy_backpressure_wakes_every_stalled_frontend() {
     within(20, "two Lazy frontends under backpressure", || {
         for _round in 0..20 {
             let e = Engine::builder()
@@ -117,10 +115,10 @@ fn lazy_two_frontends_backpressure_lost_wakeup() {
     });
 }
 
-/// `wait_all` in Lazy mode returns while a node recorded by a task is still in the
-/// inbox (never demanded, never run): a side effect is missing after the barrier.
+/// `wait_all` in Lazy mode used to return while a node recorded by a task sat in
+/// the inbox, never run.
 #[test]
-fn lazy_wait_all_returns_before_nodes_recorded_by_tasks() {
+fn lazy_wait_all_runs_nodes_recorded_by_tasks() {
     let e = Engine::builder()
         .mode(Mode::Lazy)
         .workers(2)
@@ -150,11 +148,10 @@ fn lazy_wait_all_returns_before_nodes_recorded_by_tasks() {
     );
 }
 
-/// Same, with a full inbox batch (64) recorded by one task: the worker applies the
-/// batch undemanded, `live_nodes` never reaches 0 and `wait_all` (and Engine drop)
-/// hang.
+/// Same, with a full batch (64) recorded by one task: it used to enter the graph
+/// undemanded, and `wait_all` (and engine drop) hung.
 #[test]
-fn lazy_wait_all_hangs_when_a_task_records_a_batch() {
+fn lazy_wait_all_with_a_task_recording_a_batch_finishes() {
     within(20, "wait_all after a task recorded 64 nodes", || {
         let e = Engine::builder()
             .mode(Mode::Lazy)
@@ -176,11 +173,11 @@ fn lazy_wait_all_hangs_when_a_task_records_a_batch() {
     });
 }
 
-/// `TaskBuilder` keeps only the VarId; if the last handle is dropped between
-/// `t.read(&v)` and `push`, the DropVar is applied before the record, the read is
-/// untracked and the task runs without waiting for the pending writer.
+/// If the last handle was dropped between `t.read(&v)` and `push`, the Var used
+/// to be forgotten before the record, which then ran without waiting for the
+/// pending writer. Task builders now hold the handles until the record.
 #[test]
-fn read_declared_before_last_handle_drop_loses_dependency() {
+fn access_declared_before_the_last_handle_is_dropped_keeps_its_dependency() {
     let e = Engine::builder()
         .mode(Mode::Lazy)
         .workers(1)
@@ -203,12 +200,12 @@ fn read_declared_before_last_handle_drop_loses_dependency() {
     );
 }
 
-/// Helping deadlock: T1 blocks (helping) on G's output; its helper loop picks up an
-/// independent ready task T2 that blocks on y, whose writer T3 depends on T1. T1 is
-/// under T2 on the same stack, so nothing can ever finish, even after G completes.
-/// The deadlock check only looks at the innermost running node.
+/// Helping: T1 blocks on G's output; its helper loop used to pick up any ready
+/// task, here T2, which blocks on y, whose writer T3 depends on T1 (suspended
+/// under T2 on the same stack). Helpers now run only ancestors of what they wait
+/// for, and the deadlock check looks at every task suspended on the thread.
 #[test]
-fn nested_helping_deadlocks() {
+fn helping_blocker_runs_only_what_it_waits_for() {
     within(20, "nested helping", || {
         let e = Engine::builder()
             .mode(Mode::Async)
@@ -265,11 +262,10 @@ impl Drop for Bomb {
     }
 }
 
-/// A skipped task's closure is dropped in `execute` outside `catch_unwind`: a
-/// panicking Drop of a captured value kills the worker thread, the node is never
-/// completed and its blocker hangs.
+/// A skipped task's closure is dropped without running; a panicking Drop of a
+/// captured value used to kill the worker thread and hang its blockers.
 #[test]
-fn skipped_task_drop_panic_kills_worker() {
+fn panicking_drop_of_a_skipped_task_is_contained() {
     within(
         20,
         "blocker after a skipped task with a panicking Drop",
@@ -300,11 +296,11 @@ fn skipped_task_drop_panic_kills_worker() {
     );
 }
 
-/// Batched completion: A finishes, B (independent, 2 s) is popped from the local
-/// deque within the 20 us window and run before A is completed; a frontend waiting
-/// for A waits for B too (the doc promises completion within BATCH_WINDOW).
+/// Batched completion: A finishes, then B (independent, 2 s) used to be popped
+/// and run before A was completed, so a frontend waiting for A waited for B too.
+/// Completion is now deferred only while the engine lock is busy.
 #[test]
-fn batched_completion_delays_finished_node_by_unrelated_task() {
+fn finished_node_is_not_held_back_by_an_unrelated_long_task() {
     let e = Engine::builder()
         .mode(Mode::Async)
         .workers(1)
@@ -340,11 +336,10 @@ fn batched_completion_delays_finished_node_by_unrelated_task() {
     );
 }
 
-/// Async (every node demanded), two frontends: after a drain `complete` notifies
-/// once and sets `bp_signalled`; the frontend that wakes second can find the other
-/// one's new records (`live > low`), waits again, and no later drain notifies it.
+/// Async, two frontends: after a drain the frontend that woke second could find
+/// the other one's new records, wait again, and never be notified.
 #[test]
-fn async_two_frontends_backpressure_lost_wakeup() {
+fn async_backpressure_wakes_every_stalled_frontend() {
     within(20, "two Async frontends under backpressure", || {
         for _round in 0..200 {
             let e = Engine::builder()
