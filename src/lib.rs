@@ -48,7 +48,7 @@ pub use engine::{
 };
 pub use error::{Error, Location, Result};
 pub use task::{TaskBuilder, TaskHandle};
-pub use tensor::{Shape, Tensor};
+pub use tensor::{KernelBuilder, Shape, Tensor};
 pub use var::{Read, Var, Write};
 
 /// The README's examples, compiled and run as doctests.

@@ -408,3 +408,79 @@ fn in_place_ops_are_ordered_and_match_the_cpu() {
         }
     }
 }
+
+const SCALE: &str = "
+    @group(0) @binding(0) var<storage, read> x: array<f32>;
+    @group(0) @binding(1) var<storage, read_write> y: array<f32>;
+    @compute @workgroup_size(64)
+    fn main(@builtin(global_invocation_id) id: vec3<u32>) {
+        if (id.x < arrayLength(&y)) {
+            y[id.x] = y[id.x] + 2.0 * x[id.x];
+        }
+    }";
+
+#[test]
+fn user_kernels_run_in_order_with_other_nodes() {
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        for gpu in gpu_devices(&e) {
+            let x = Tensor::arange_in(&e, 0.0, 100.0, 1.0).to(gpu).unwrap();
+            let y = Tensor::ones_in(&e, [100]).to(gpu).unwrap();
+            let before = &y * 1.0; // recorded before the kernel writes y
+            let mut k = e.kernel("scale_add", SCALE);
+            k.read(&x).write(&y).workgroups(2, 1, 1);
+            k.run().unwrap();
+            let after = &y + 0.0;
+            let want: Vec<f32> = (0..100).map(|i| 1.0 + 2.0 * i as f32).collect();
+            assert_eq!(after.to_vec().unwrap(), want, "{mode:?} on {gpu}");
+            assert_eq!(before.to_vec().unwrap(), vec![1.0; 100]);
+        }
+    }
+}
+
+#[test]
+fn an_invalid_user_kernel_fails_only_its_dependents() {
+    let e = engine(Mode::Lazy);
+    for gpu in gpu_devices(&e) {
+        let x = Tensor::ones_in(&e, [8]).to(gpu).unwrap();
+        let y = Tensor::zeros_in(&e, [8]).to(gpu).unwrap();
+        let other = &x * 5.0;
+        let mut k = e.kernel("broken_kernel", "this is not WGSL");
+        k.read(&x).write(&y);
+        k.run().unwrap();
+        let err = (&y + 1.0).to_vec().unwrap_err();
+        assert!(
+            matches!(&err, Error::Failed { op, .. } if op == "broken_kernel"),
+            "{err}"
+        );
+        // A kernel that declares more bindings than it is given fails the same way.
+        let three = "
+            @group(0) @binding(0) var<storage, read> a: array<f32>;
+            @group(0) @binding(1) var<storage, read> b: array<f32>;
+            @group(0) @binding(2) var<storage, read_write> c: array<f32>;
+            @compute @workgroup_size(1)
+            fn main() { c[0] = a[0] + b[0]; }";
+        let w = Tensor::zeros_in(&e, [1]).to(gpu).unwrap();
+        let mut k = e.kernel("missing_binding", three);
+        k.read(&x).write(&w);
+        k.run().unwrap();
+        let err = w.to_vec().unwrap_err();
+        assert!(
+            matches!(&err, Error::Failed { op, .. } if op == "missing_binding"),
+            "{err}"
+        );
+        // Independent work is unaffected and the device keeps working.
+        assert_eq!(other.to_vec().unwrap(), vec![5.0; 8]);
+        let z = Tensor::ones_in(&e, [3]).to(gpu).unwrap();
+        assert_eq!((&z + 1.0).to_vec().unwrap(), vec![2.0; 3]);
+        // Record-time errors: mixed devices, no bindings.
+        let cpu = Tensor::ones_in(&e, [8]);
+        let mut k = e.kernel("mixed", SCALE);
+        k.read(&cpu).write(&z);
+        assert!(matches!(
+            k.run(),
+            Err(Error::DeviceMismatch { op: "mixed", .. })
+        ));
+        assert!(e.kernel("empty", SCALE).run().is_err());
+    }
+}

@@ -56,6 +56,8 @@ pub(crate) enum Kernel {
     StridedCopy,
     /// `matmul.wgsl`: tiled, batched.
     Matmul,
+    /// A user's kernel: the specialization is the whole source.
+    User,
 }
 
 impl Kernel {
@@ -68,6 +70,7 @@ impl Kernel {
             Kernel::Reduce => include_str!("../../shaders/reduce.wgsl"),
             Kernel::StridedCopy => include_str!("../../shaders/strided_copy.wgsl"),
             Kernel::Matmul => include_str!("../../shaders/matmul.wgsl"),
+            Kernel::User => "",
         }
     }
 
@@ -81,6 +84,7 @@ impl Kernel {
             }
             Kernel::Reduce => self.source().replace("KIND_VALUE", spec),
             Kernel::StridedCopy | Kernel::Matmul => self.source().to_string(),
+            Kernel::User => spec.to_string(),
         }
     }
 }
@@ -435,12 +439,17 @@ impl Gpu {
             return Ok(());
         };
         let pipeline = self.pipeline(kernel, spec)?;
-        let info = self.upload(bytemuck::cast_slice(info))?;
-        let layout = pipeline.get_bind_group_layout(0);
+        // No info binding when there is no info (user kernels).
+        let info = if info.is_empty() {
+            None
+        } else {
+            Some(self.upload(bytemuck::cast_slice(info))?)
+        };
+        let layout = self.scoped(|| pipeline.get_bind_group_layout(0))?;
         let entries: Vec<wgpu::BindGroupEntry> = buffers
             .iter()
             .copied()
-            .chain(std::iter::once(&info))
+            .chain(info.as_ref())
             .enumerate()
             .map(|(i, b)| wgpu::BindGroupEntry {
                 binding: i as u32,

@@ -15,8 +15,10 @@ mod gpu_ops;
 pub(crate) mod kernels;
 mod ops;
 mod shape;
+mod user_kernel;
 
 pub use shape::Shape;
+pub use user_kernel::KernelBuilder;
 
 use crate::device::{gpu::Gpu, Device};
 use crate::engine::Engine;
