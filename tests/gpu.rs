@@ -484,3 +484,32 @@ fn an_invalid_user_kernel_fails_only_its_dependents() {
         assert!(e.kernel("empty", SCALE).run().is_err());
     }
 }
+
+#[test]
+fn pooled_buffers_are_reused_only_after_their_readers() {
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        for gpu in gpu_devices(&e) {
+            let mut outs = Vec::new();
+            for round in 0..20 {
+                // `a` is read by `b`, then dropped: its buffer goes back to the pool
+                // and the next allocations of its size class reuse it, while `b`
+                // (encoded earlier, maybe not yet executed) still has to read it.
+                let a = Tensor::full_in(&e, [1000], round as f32).to(gpu).unwrap();
+                let b = &a * 2.0;
+                drop(a);
+                let c = Tensor::full_in(&e, [1000], -1.0).to(gpu).unwrap();
+                let d = &c + 100.0;
+                outs.push((round, b, d));
+            }
+            for (round, b, d) in outs {
+                assert_eq!(
+                    b.to_vec().unwrap(),
+                    vec![2.0 * round as f32; 1000],
+                    "{mode:?} on {gpu}"
+                );
+                assert_eq!(d.to_vec().unwrap(), vec![99.0; 1000]);
+            }
+        }
+    }
+}

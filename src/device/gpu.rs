@@ -118,6 +118,74 @@ impl Grid {
     }
 }
 
+/// Storage buffers kept for reuse, by size class (a power of two of at least
+/// 256 bytes). A buffer comes back when the tensor data holding it is dropped,
+/// which happens only after every node that accesses it has been encoded; since
+/// the device's queue runs in order, a later node that reuses the buffer runs
+/// after all of them (the write-after-read hazard of pooled buffers).
+pub(crate) struct Pool {
+    classes: Mutex<HashMap<u64, Vec<wgpu::Buffer>>>,
+}
+
+/// Buffers kept per size class at most; the rest are freed.
+const POOL_PER_CLASS: usize = 32;
+
+impl Pool {
+    fn class(bytes: u64) -> u64 {
+        bytes.max(256).next_power_of_two()
+    }
+
+    fn take(&self, class: u64) -> Option<wgpu::Buffer> {
+        lock(&self.classes).get_mut(&class).and_then(|v| v.pop())
+    }
+
+    fn give(&self, class: u64, buffer: wgpu::Buffer) {
+        let mut classes = lock(&self.classes);
+        let list = classes.entry(class).or_default();
+        if list.len() < POOL_PER_CLASS {
+            list.push(buffer);
+        }
+    }
+}
+
+/// A storage buffer from a device's pool, bound with its exact length; it goes
+/// back to the pool when dropped.
+pub(crate) struct GpuBuffer {
+    buffer: Option<wgpu::Buffer>,
+    /// The bytes in use (bindings cover exactly these).
+    bytes: u64,
+    class: u64,
+    pool: Arc<Pool>,
+}
+
+impl std::fmt::Debug for GpuBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GpuBuffer({} bytes)", self.bytes)
+    }
+}
+
+impl GpuBuffer {
+    fn raw(&self) -> &wgpu::Buffer {
+        self.buffer.as_ref().expect("present until dropped")
+    }
+
+    fn binding(&self) -> wgpu::BindingResource<'_> {
+        wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer: self.raw(),
+            offset: 0,
+            size: std::num::NonZeroU64::new(self.bytes),
+        })
+    }
+}
+
+impl Drop for GpuBuffer {
+    fn drop(&mut self) {
+        if let Some(b) = self.buffer.take() {
+            self.pool.give(self.class, b);
+        }
+    }
+}
+
 /// Held by a recorded GPU node until it has been encoded (or skipped); when the
 /// last one goes, the device has no more work coming and its batch is submitted.
 pub(crate) struct Pending(Arc<Gpu>);
@@ -155,6 +223,7 @@ pub(crate) struct Gpu {
     pub(crate) max_binding: u64,
     /// Recorded GPU nodes not yet encoded (see [`Pending`]).
     pending: std::sync::atomic::AtomicUsize,
+    pool: Arc<Pool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -284,6 +353,9 @@ impl Gpu {
                 .max_storage_buffer_binding_size
                 .min(limits.max_buffer_size),
             pending: std::sync::atomic::AtomicUsize::new(0),
+            pool: Arc::new(Pool {
+                classes: Mutex::new(HashMap::new()),
+            }),
         })
     }
 
@@ -330,30 +402,44 @@ impl Gpu {
         Ok(())
     }
 
-    /// A new storage buffer for `n` floats (its contents are undefined until a
-    /// kernel or a copy writes them).
-    pub(crate) fn alloc(&self, n: usize) -> Result<wgpu::Buffer, String> {
-        let size = (n.max(1) * 4) as u64;
-        if size > self.max_binding {
+    /// A storage buffer for `n` floats, from the pool when one of its size class
+    /// is free (its contents are undefined until a kernel or a copy writes them).
+    pub(crate) fn alloc(&self, n: usize) -> Result<GpuBuffer, String> {
+        let bytes = (n.max(1) * 4) as u64;
+        if bytes > self.max_binding {
             return Err(format!(
                 "{n} floats exceed the device's largest buffer ({} bytes)",
                 self.max_binding
             ));
         }
-        self.scoped(|| {
-            self.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("lazyflow tensor"),
-                size,
-                usage: wgpu::BufferUsages::STORAGE
-                    | wgpu::BufferUsages::COPY_SRC
-                    | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            })
+        let class = if Pool::class(bytes) <= self.max_binding {
+            Pool::class(bytes)
+        } else {
+            bytes
+        };
+        let buffer = match self.pool.take(class) {
+            Some(b) => b,
+            None => self.scoped(|| {
+                self.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("lazyflow tensor"),
+                    size: class,
+                    usage: wgpu::BufferUsages::STORAGE
+                        | wgpu::BufferUsages::COPY_SRC
+                        | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                })
+            })?,
+        };
+        Ok(GpuBuffer {
+            buffer: Some(buffer),
+            bytes,
+            class,
+            pool: self.pool.clone(),
         })
     }
 
     /// A new buffer holding `data`, copied in through the open batch.
-    pub(crate) fn upload(&self, data: &[f32]) -> Result<wgpu::Buffer, String> {
+    pub(crate) fn upload(&self, data: &[f32]) -> Result<GpuBuffer, String> {
         let out = self.alloc(data.len())?;
         if data.is_empty() {
             return Ok(out);
@@ -378,13 +464,13 @@ impl Gpu {
         })??;
         let mut batch = lock(&self.batch);
         let encoder = self.encoder(&mut batch);
-        encoder.copy_buffer_to_buffer(&staging, 0, &out, 0, bytes.len() as u64);
+        encoder.copy_buffer_to_buffer(&staging, 0, out.raw(), 0, bytes.len() as u64);
         Ok(out)
     }
 
     /// Copies `n` floats out of `buffer`: submits the open batch (which holds
     /// every write to it) and waits for the copy.
-    pub(crate) fn read(&self, buffer: &wgpu::Buffer, n: usize) -> Result<Vec<f32>, String> {
+    pub(crate) fn read(&self, buffer: &GpuBuffer, n: usize) -> Result<Vec<f32>, String> {
         if n == 0 {
             return Ok(Vec::new());
         }
@@ -400,7 +486,7 @@ impl Gpu {
         let index = {
             let mut batch = lock(&self.batch);
             let encoder = self.encoder(&mut batch);
-            encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, size);
+            encoder.copy_buffer_to_buffer(buffer.raw(), 0, &staging, 0, size);
             self.submit_locked(&mut batch)?
         };
         let (tx, rx) = std::sync::mpsc::channel();
@@ -431,7 +517,7 @@ impl Gpu {
         &self,
         kernel: Kernel,
         spec: &str,
-        buffers: &[&wgpu::Buffer],
+        buffers: &[&GpuBuffer],
         info: &[u32],
         grid: Grid,
     ) -> Result<(), String> {
@@ -453,7 +539,7 @@ impl Gpu {
             .enumerate()
             .map(|(i, b)| wgpu::BindGroupEntry {
                 binding: i as u32,
-                resource: b.as_entire_binding(),
+                resource: b.binding(),
             })
             .collect();
         let bind_group = self.scoped(|| {
@@ -479,13 +565,13 @@ impl Gpu {
     }
 
     /// Copies `size` bytes between buffers, in order with the batch.
-    pub(crate) fn copy(&self, src: &wgpu::Buffer, dst: &wgpu::Buffer, size: u64) {
+    pub(crate) fn copy(&self, src: &GpuBuffer, dst: &GpuBuffer, size: u64) {
         if size == 0 {
             return;
         }
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch)
-            .copy_buffer_to_buffer(src, 0, dst, 0, size);
+            .copy_buffer_to_buffer(src.raw(), 0, dst.raw(), 0, size);
     }
 
     fn pipeline(&self, kernel: Kernel, spec: &str) -> Result<wgpu::ComputePipeline, String> {

@@ -4,7 +4,7 @@
 
 use super::kernels::{BinaryOp, ReduceOp, UnaryOp};
 use super::{Data, Shape, Tensor};
-use crate::device::gpu::{Gpu, Grid, Kernel};
+use crate::device::gpu::{Gpu, GpuBuffer, Grid, Kernel};
 use crate::device::Device;
 use crate::error::{Error, Location, Result};
 use std::sync::Arc;
@@ -208,7 +208,7 @@ impl Tensor {
         name: &'static str,
         location: Location,
         out_shape: Shape,
-        encode: impl FnOnce(&Gpu, &wgpu::Buffer, &wgpu::Buffer) -> std::result::Result<(), String>
+        encode: impl FnOnce(&Gpu, &GpuBuffer, &GpuBuffer) -> std::result::Result<(), String>
             + Send
             + 'static,
     ) -> Tensor {

@@ -20,7 +20,10 @@ mod user_kernel;
 pub use shape::Shape;
 pub use user_kernel::KernelBuilder;
 
-use crate::device::{gpu::Gpu, Device};
+use crate::device::{
+    gpu::{Gpu, GpuBuffer},
+    Device,
+};
 use crate::engine::Engine;
 use crate::error::{Error, Location, Result};
 use crate::var::Var;
@@ -31,7 +34,7 @@ use std::sync::Arc;
 #[derive(Debug)]
 pub(crate) enum Data {
     Host(Vec<f32>),
-    Gpu(wgpu::Buffer),
+    Gpu(GpuBuffer),
 }
 
 impl Default for Data {
@@ -58,7 +61,7 @@ impl Data {
         }
     }
 
-    pub(crate) fn gpu(&self) -> std::result::Result<&wgpu::Buffer, String> {
+    pub(crate) fn gpu(&self) -> std::result::Result<&GpuBuffer, String> {
         match self {
             Data::Gpu(b) => Ok(b),
             Data::Host(_) => Err("expected a GPU buffer, found host data".to_string()),

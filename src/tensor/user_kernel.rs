@@ -1,7 +1,7 @@
 //! A user's own WGSL kernel, recorded as a node with declared reads and writes.
 
 use super::{Data, Tensor};
-use crate::device::gpu::{Grid, Kernel};
+use crate::device::gpu::{GpuBuffer, Grid, Kernel};
 use crate::device::Device;
 use crate::engine::Engine;
 use crate::error::{Error, Location, Result};
@@ -147,12 +147,12 @@ impl KernelBuilder<'_> {
             }
             let read_guards: Vec<_> = reads.iter().map(|(i, r)| (*i, r.read())).collect();
             let write_guards: Vec<_> = writes.iter().map(|(i, w, _)| (*i, w.read())).collect();
-            let mut all: Vec<(usize, &wgpu::Buffer)> = Vec::new();
+            let mut all: Vec<(usize, &GpuBuffer)> = Vec::new();
             for (i, g) in read_guards.iter().chain(write_guards.iter()) {
                 all.push((*i, g.gpu()?));
             }
             all.sort_by_key(|(i, _)| *i);
-            let buffers: Vec<&wgpu::Buffer> = all.into_iter().map(|(_, b)| b).collect();
+            let buffers: Vec<&GpuBuffer> = all.into_iter().map(|(_, b)| b).collect();
             gpu.dispatch(Kernel::User, &source, &buffers, &[], Grid::Exact(x, y, z))?;
             drop(pending);
             Ok(())
