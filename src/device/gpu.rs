@@ -224,6 +224,8 @@ pub(crate) struct Gpu {
     /// Recorded GPU nodes not yet encoded (see [`Pending`]).
     pending: std::sync::atomic::AtomicUsize,
     pool: Arc<Pool>,
+    /// Kernels dispatched so far (Relaxed: a statistic).
+    pub(crate) dispatched: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -356,6 +358,7 @@ impl Gpu {
             pool: Arc::new(Pool {
                 classes: Mutex::new(HashMap::new()),
             }),
+            dispatched: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -558,6 +561,8 @@ impl Gpu {
             pass.dispatch_workgroups(gx, gy, gz);
         }
         batch.dispatches += 1;
+        self.dispatched
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if batch.dispatches >= BATCH_LIMIT {
             self.submit_locked(&mut batch)?;
         }

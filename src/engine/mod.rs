@@ -254,6 +254,17 @@ impl Engine {
         }
     }
 
+    /// Kernels dispatched so far on a GPU device (0 for the CPU, whose nodes
+    /// are counted in [`Stats::completed`]).
+    pub fn kernels_dispatched(&self, device: Device) -> u64 {
+        match device {
+            Device::Gpu(i) => self.shared().gpus().get(i).map_or(0, |g| {
+                g.dispatched.load(std::sync::atomic::Ordering::Relaxed)
+            }),
+            Device::Cpu => 0,
+        }
+    }
+
     pub(crate) fn gpu(&self, index: usize) -> Option<&Arc<Gpu>> {
         self.shared().gpus().get(index)
     }

@@ -338,8 +338,21 @@ impl Tensor {
 
     /// Explicit blocker: runs exactly the work this tensor needs and waits for it.
     /// Returns the failure that poisoned it, naming the failed op and its location.
+    ///
+    /// On a GPU this also waits until the device has executed the work (a GPU
+    /// node completes in the graph when it is encoded).
+    #[track_caller]
     pub fn wait_to_read(&self) -> Result<()> {
-        self.var.wait_to_read()
+        let location = Location::caller();
+        self.var.wait_to_read()?;
+        if let Some(gpu) = self.gpu("wait_to_read", location)? {
+            gpu.synchronize().map_err(|message| Error::Failed {
+                op: "wait_to_read".to_string(),
+                location,
+                message,
+            })?;
+        }
+        Ok(())
     }
 
     /// Implicit blocker: the data, row-major. A tensor on a GPU is copied to the
