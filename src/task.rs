@@ -38,7 +38,7 @@ pub struct TaskBuilder<'e> {
     /// The handles of every Var named, until the task is recorded: dropping the
     /// last handle of a Var queues its removal from the graph, which must come
     /// after this record.
-    keep: SmallVec<[Arc<dyn crate::var::KeepAlive>; 4]>,
+    keep: SmallVec<[std::sync::Arc<dyn crate::var::KeepAlive>; 4]>,
     mismatch: bool,
 }
 

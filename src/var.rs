@@ -9,8 +9,11 @@
 use crate::engine::{Counters, Engine};
 use crate::error::{Result, SharedError};
 use crate::graph::VarId;
-use crate::sync::{lock, Arc, Ordering};
+use crate::sync::{lock, Ordering};
+// std, not `crate::sync`: handles are type-erased (`Arc<dyn KeepAlive>`), which
+// loom's Arc cannot do; the loom models do not involve Vars.
 use smallvec::SmallVec;
+use std::sync::Arc;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// A value managed by an engine: every access to it goes through recorded tasks or

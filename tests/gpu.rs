@@ -513,3 +513,24 @@ fn pooled_buffers_are_reused_only_after_their_readers() {
         }
     }
 }
+
+#[test]
+fn tensors_larger_than_a_device_buffer_are_rejected_at_record_time() {
+    let e = engine(Mode::Lazy);
+    for gpu in gpu_devices(&e) {
+        // Never allocated: `zeros` is a lazy node and the size check comes first.
+        let huge = Tensor::zeros_in(&e, [1usize << 34]);
+        match huge.to(gpu) {
+            Err(Error::InvalidArgument {
+                op: "to", reason, ..
+            }) => {
+                assert!(reason.contains("exceed"), "{reason}")
+            }
+            other => panic!("expected a size error, got {other:?}"),
+        }
+        // The device keeps working.
+        let x = Tensor::ones_in(&e, [4]).to(gpu).unwrap();
+        assert_eq!((&x * 3.0).to_vec().unwrap(), vec![3.0; 4]);
+    }
+    assert_eq!(e.stats().failed, 0);
+}

@@ -97,7 +97,7 @@ pub(crate) struct Shared {
     pub(crate) sleep: Sleep,
     /// Release in `EngineInner::drop`, Acquire in the worker loop.
     pub(crate) shutdown: AtomicBool,
-    pub(crate) counters: Arc<Counters>,
+    pub(crate) counters: std::sync::Arc<Counters>,
     /// Lazy-mode records and Var drops not yet applied to the graph; see
     /// `inbox.rs`. Lock order: `state`, then `inbox`.
     inbox: Mutex<Inbox>,
@@ -107,7 +107,7 @@ pub(crate) struct Shared {
     /// Entries per inbox batch.
     batch: usize,
     /// GPU devices, opened on first use (opening one takes tens of milliseconds).
-    gpus: OnceLock<Vec<Arc<Gpu>>>,
+    gpus: OnceLock<Vec<std::sync::Arc<Gpu>>>,
 }
 
 static NEXT_ENGINE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -157,7 +157,7 @@ impl Engine {
             injector: Injector::new(),
             sleep: Sleep::new(),
             shutdown: AtomicBool::new(false),
-            counters: Arc::new(Counters::default()),
+            counters: std::sync::Arc::new(Counters::default()),
             inbox: Mutex::new(Inbox::new()),
             inbox_len: std::sync::atomic::AtomicUsize::new(0),
             batch: Inbox::batch(config_high, config_low),
@@ -187,7 +187,7 @@ impl Engine {
         &self.inner.shared
     }
 
-    pub(crate) fn counters(&self) -> &Arc<Counters> {
+    pub(crate) fn counters(&self) -> &std::sync::Arc<Counters> {
         &self.inner.shared.counters
     }
 
@@ -265,7 +265,7 @@ impl Engine {
         }
     }
 
-    pub(crate) fn gpu(&self, index: usize) -> Option<&Arc<Gpu>> {
+    pub(crate) fn gpu(&self, index: usize) -> Option<&std::sync::Arc<Gpu>> {
         self.shared().gpus().get(index)
     }
 
@@ -419,14 +419,14 @@ impl Shared {
         self.apply_inbox(&mut st);
     }
 
-    fn gpus(&self) -> &[Arc<Gpu>] {
+    fn gpus(&self) -> &[std::sync::Arc<Gpu>] {
         self.gpus.get_or_init(|| {
             crate::device::gpu::discover(self.config.backends, self.config.logical_devices)
         })
     }
 
     /// The GPUs opened so far (none if nothing asked for one).
-    fn opened_gpus(&self) -> &[Arc<Gpu>] {
+    fn opened_gpus(&self) -> &[std::sync::Arc<Gpu>] {
         self.gpus.get().map_or(&[], |g| g.as_slice())
     }
 
