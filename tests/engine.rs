@@ -349,3 +349,17 @@ fn dot_export_shows_pending_nodes() {
     e.wait_all().unwrap();
     assert!(!e.to_dot().contains("first"));
 }
+
+#[test]
+fn an_allocation_failure_fails_the_node_instead_of_aborting() {
+    let e = engine(Mode::Lazy, 2);
+    // 64 GiB: more than this machine class has; the allocation is refused.
+    let huge = Tensor::zeros_in(&e, [1usize << 34]);
+    let err = huge.sum().item().unwrap_err();
+    assert!(
+        matches!(&err, Error::Failed { op, message, .. } if op == "zeros" && message.contains("out of memory")),
+        "{err}"
+    );
+    // Everything else goes on.
+    assert_eq!(Tensor::ones_in(&e, [3]).sum().item().unwrap(), 3.0);
+}

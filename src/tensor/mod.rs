@@ -173,7 +173,7 @@ impl Tensor {
     #[track_caller]
     pub fn full_in(engine: &Engine, shape: impl Into<Shape>, value: f32) -> Tensor {
         Tensor::generate(engine, "full", Location::caller(), shape.into(), move |n| {
-            vec![value; n]
+            ops::filled(n, value)
         })
     }
 
@@ -187,7 +187,7 @@ impl Tensor {
     #[track_caller]
     pub fn zeros_in(engine: &Engine, shape: impl Into<Shape>) -> Tensor {
         Tensor::generate(engine, "zeros", Location::caller(), shape.into(), |n| {
-            vec![0.0; n]
+            ops::zeroed(n)
         })
     }
 
@@ -201,7 +201,7 @@ impl Tensor {
     #[track_caller]
     pub fn ones_in(engine: &Engine, shape: impl Into<Shape>) -> Tensor {
         Tensor::generate(engine, "ones", Location::caller(), shape.into(), |n| {
-            vec![1.0; n]
+            ops::filled(n, 1.0)
         })
     }
 
@@ -226,7 +226,13 @@ impl Tensor {
             "arange",
             Location::caller(),
             Shape::from(n),
-            move |n| (0..n).map(|i| start + step * i as f32).collect(),
+            move |n| {
+                let mut v = ops::zeroed(n)?;
+                for (i, x) in v.iter_mut().enumerate() {
+                    *x = start + step * i as f32;
+                }
+                Ok(v)
+            },
         )
     }
 
@@ -262,9 +268,9 @@ impl Tensor {
             location,
             shape,
             move |n| {
-                let mut v = vec![0.0; n];
+                let mut v = ops::zeroed(n)?;
                 kernels::fill_uniform(&mut v, low, high, seed);
-                v
+                Ok(v)
             },
         ))
     }
@@ -301,9 +307,9 @@ impl Tensor {
             location,
             shape,
             move |n| {
-                let mut v = vec![0.0; n];
+                let mut v = ops::zeroed(n)?;
                 kernels::fill_normal(&mut v, mean, std, seed);
-                v
+                Ok(v)
             },
         ))
     }
@@ -319,7 +325,7 @@ impl Tensor {
         name: &'static str,
         location: Location,
         shape: Shape,
-        f: impl FnOnce(usize) -> Vec<f32> + Send + 'static,
+        f: impl FnOnce(usize) -> std::result::Result<Vec<f32>, String> + Send + 'static,
     ) -> Tensor {
         let n = shape.numel();
         let out = Tensor {
@@ -330,7 +336,10 @@ impl Tensor {
         let mut t = engine.task_at(name, location);
         let o = t.write(&out.var);
         // Cannot fail: the only Var belongs to `engine`.
-        let _ = t.push(move || *o.write() = Data::Host(f(n)));
+        let _ = t.push_fallible(move || {
+            *o.write() = Data::Host(f(n)?);
+            Ok(())
+        });
         out
     }
 

@@ -57,6 +57,24 @@ impl Update {
     }
 }
 
+/// `n` zeros, or the allocation failure as a node failure (never an abort).
+pub(super) fn zeroed(n: usize) -> std::result::Result<Vec<f32>, String> {
+    filled(n, 0.0)
+}
+
+/// `n` copies of `value`, allocated fallibly.
+pub(super) fn filled(n: usize, value: f32) -> std::result::Result<Vec<f32>, String> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        format!(
+            "out of memory: cannot allocate {n} floats ({} bytes)",
+            n.saturating_mul(4)
+        )
+    })?;
+    v.resize(n, value);
+    Ok(v)
+}
+
 fn check_axis(op: &'static str, shape: &Shape, axis: usize, location: Location) -> Result<()> {
     if axis >= shape.rank() {
         return Err(arg_err(
@@ -108,13 +126,14 @@ impl Tensor {
         name: &'static str,
         location: Location,
         shape: Shape,
-        f: impl FnOnce(&[f32]) -> Vec<f32> + Send + 'static,
+        f: impl FnOnce(&[f32], &mut [f32]) + Send + 'static,
     ) -> Tensor {
         if self.device != Device::Cpu {
             let mut out = self.poisoned(self.unsupported(name, location));
             out.shape = shape;
             return out;
         }
+        let n = shape.numel();
         let out = self.output(shape);
         let mut t = self.engine().task_at(name, location);
         t.device(self.device);
@@ -122,7 +141,8 @@ impl Tensor {
         let o = t.write(&out.var);
         // Cannot fail: both Vars belong to this engine.
         let _ = t.push_fallible(move || {
-            let v = f(a.read().host()?);
+            let mut v = zeroed(n)?;
+            f(a.read().host()?, &mut v);
             *o.write() = Data::Host(v);
             Ok(())
         });
@@ -136,11 +156,12 @@ impl Tensor {
         name: &'static str,
         location: Location,
         shape: Shape,
-        f: impl FnOnce(&[f32], &[f32]) -> Vec<f32> + Send + 'static,
+        f: impl FnOnce(&[f32], &[f32], &mut [f32]) + Send + 'static,
     ) -> Result<Tensor> {
         if self.device != Device::Cpu {
             return Err(self.unsupported(name, location));
         }
+        let n = shape.numel();
         let out = self.output(shape);
         let mut t = self.engine().task_at(name, location);
         t.device(self.device);
@@ -148,18 +169,20 @@ impl Tensor {
         let o = t.write(&out.var);
         if self.same_data(other) {
             t.push_fallible(move || {
-                let v = {
+                let mut v = zeroed(n)?;
+                {
                     let g = a.read();
                     let g = g.host()?;
-                    f(g, g)
-                };
+                    f(g, g, &mut v);
+                }
                 *o.write() = Data::Host(v);
                 Ok(())
             })?;
         } else {
             let b = t.read(&other.var);
             t.push_fallible(move || {
-                let v = f(a.read().host()?, b.read().host()?);
+                let mut v = zeroed(n)?;
+                f(a.read().host()?, b.read().host()?, &mut v);
                 *o.write() = Data::Host(v);
                 Ok(())
             })?;
@@ -252,10 +275,8 @@ impl Tensor {
             return self.gpu_binary(gpu, other, op, out_shape, location);
         }
         let (sa, sb, so) = (self.shape.clone(), other.shape.clone(), out_shape.clone());
-        self.map2(other, name, location, out_shape, move |a, b| {
-            let mut out = vec![0.0; so.numel()];
-            kernels::binary(op, a, sa.dims(), b, sb.dims(), so.dims(), &mut out);
-            out
+        self.map2(other, name, location, out_shape, move |a, b, out| {
+            kernels::binary(op, a, sa.dims(), b, sb.dims(), so.dims(), out);
         })
     }
 
@@ -265,14 +286,12 @@ impl Tensor {
             Ok(None) => {}
             Err(e) => return self.poisoned(e),
         }
-        self.map1(op.name(), location, self.shape.clone(), move |a| {
-            let mut out = vec![0.0; a.len()];
+        self.map1(op.name(), location, self.shape.clone(), move |a, out| {
             if scalar_left {
-                kernels::scalar_binary(op, s, a, &mut out);
+                kernels::scalar_binary(op, s, a, out);
             } else {
-                kernels::binary_scalar(op, a, s, &mut out);
+                kernels::binary_scalar(op, a, s, out);
             }
-            out
         })
     }
 
@@ -282,10 +301,8 @@ impl Tensor {
             Ok(None) => {}
             Err(e) => return self.poisoned(e),
         }
-        self.map1(op.name(), location, self.shape.clone(), move |a| {
-            let mut out = vec![0.0; a.len()];
-            kernels::unary(op, a, &mut out);
-            out
+        self.map1(op.name(), location, self.shape.clone(), move |a, out| {
+            kernels::unary(op, a, out);
         })
     }
 
@@ -535,8 +552,8 @@ impl Tensor {
             Ok(None) => {}
             Err(e) => return self.poisoned(e),
         }
-        self.map1(op.name(), location, Shape::scalar(), move |a| {
-            vec![kernels::reduce_all(op, a)]
+        self.map1(op.name(), location, Shape::scalar(), move |a, out| {
+            out[0] = kernels::reduce_all(op, a)
         })
     }
 
@@ -551,12 +568,9 @@ impl Tensor {
             let inner = d[axis + 1..].iter().product();
             return Ok(self.gpu_reduce(gpu, op, outer, d[axis], inner, out_shape, location));
         }
-        let n = out_shape.numel();
         let shape = self.shape.clone();
-        Ok(self.map1(op.name(), location, out_shape, move |a| {
-            let mut out = vec![0.0; n];
-            kernels::reduce_axis(op, a, shape.dims(), axis, &mut out);
-            out
+        Ok(self.map1(op.name(), location, out_shape, move |a, out| {
+            kernels::reduce_axis(op, a, shape.dims(), axis, out);
         }))
     }
 }
@@ -643,10 +657,8 @@ impl Tensor {
             "matmul",
             location,
             Shape::from(out_dims),
-            move |a, b| {
-                let mut out = vec![0.0; batch * m * n];
-                kernels::matmul(a, b, &mut out, batch, m, k, n, b_batched);
-                out
+            move |a, b, out| {
+                kernels::matmul(a, b, out, batch, m, k, n, b_batched);
             },
         )
     }
@@ -675,10 +687,8 @@ impl Tensor {
         }
         let shape = self.shape.clone();
         Ok(
-            self.map1("transpose", location, Shape::from(dims), move |a| {
-                let mut out = vec![0.0; a.len()];
-                kernels::transpose(a, shape.dims(), dim0, dim1, &mut out);
-                out
+            self.map1("transpose", location, Shape::from(dims), move |a, out| {
+                kernels::transpose(a, shape.dims(), dim0, dim1, out);
             }),
         )
     }
@@ -707,10 +717,8 @@ impl Tensor {
             "transpose",
             location,
             Shape::from([shape.dims()[1], shape.dims()[0]]),
-            move |a| {
-                let mut out = vec![0.0; a.len()];
-                kernels::transpose(a, shape.dims(), 0, 1, &mut out);
-                out
+            move |a, out| {
+                kernels::transpose(a, shape.dims(), 0, 1, out);
             },
         ))
     }
@@ -767,10 +775,8 @@ impl Tensor {
             return Ok(self.gpu_strided(gpu, "broadcast_to", target, 0, &strides, location));
         }
         let (from, to) = (self.shape.clone(), target.clone());
-        Ok(self.map1("broadcast_to", location, target, move |a| {
-            let mut out = vec![0.0; to.numel()];
-            kernels::broadcast_to(a, from.dims(), to.dims(), &mut out);
-            out
+        Ok(self.map1("broadcast_to", location, target, move |a, out| {
+            kernels::broadcast_to(a, from.dims(), to.dims(), out);
         }))
     }
 
@@ -815,12 +821,9 @@ impl Tensor {
             Ok(None) => {}
             Err(e) => return self.poisoned(e),
         }
-        let n = out_shape.numel();
         let shape = self.shape.clone();
-        self.map1(name, location, out_shape, move |a| {
-            let mut out = vec![0.0; n];
-            kernels::narrow(a, shape.dims(), axis, start, len, &mut out);
-            out
+        self.map1(name, location, out_shape, move |a, out| {
+            kernels::narrow(a, shape.dims(), axis, start, len, out);
         })
     }
 
@@ -901,7 +904,7 @@ impl Tensor {
             for (g, s) in &guards {
                 parts.push((g.host()?.as_slice(), s.dims()));
             }
-            let mut v = vec![0.0; n];
+            let mut v = zeroed(n)?;
             kernels::concat(&parts, axis, &mut v);
             drop(parts);
             drop(guards);
