@@ -104,6 +104,19 @@ impl<T> Read<T> {
     pub fn read(&self) -> RwLockReadGuard<'_, T> {
         self.storage.read()
     }
+
+    /// Identifies the data (equal for tokens of the same Var).
+    pub(crate) fn data_id(&self) -> usize {
+        Arc::as_ptr(&self.storage) as *const () as usize
+    }
+
+    /// A second token for the same declared read (an op that reads one value
+    /// twice).
+    pub(crate) fn duplicate(&self) -> Read<T> {
+        Read {
+            storage: self.storage.clone(),
+        }
+    }
 }
 
 /// Write access to a Var's data, granted to one recorded task.
@@ -123,6 +136,17 @@ impl<T> Write<T> {
     /// Borrows the data (a writer may also read what it is about to change).
     pub fn read(&self) -> RwLockReadGuard<'_, T> {
         self.storage.read()
+    }
+
+    /// Identifies the data (equal for tokens of the same Var).
+    pub(crate) fn data_id(&self) -> usize {
+        Arc::as_ptr(&self.storage) as *const () as usize
+    }
+
+    /// How many handles and tokens reach the data, this one included: 1 means
+    /// nothing else can ever read what is written through this token.
+    pub(crate) fn reach(&self) -> usize {
+        Arc::strong_count(&self.storage)
     }
 }
 

@@ -534,3 +534,39 @@ fn tensors_larger_than_a_device_buffer_are_rejected_at_record_time() {
     }
     assert_eq!(e.stats().failed, 0);
 }
+
+#[test]
+fn fusion_turns_elementwise_chains_into_few_kernels_with_the_same_results() {
+    let fused = Engine::builder().workers(2).fusion(true).build().unwrap();
+    let plain = Engine::builder().workers(2).fusion(false).build().unwrap();
+    for (gpu, gpu_plain) in gpu_devices(&fused).into_iter().zip(gpu_devices(&plain)) {
+        let run = |e: &Engine, g: Device| {
+            let k0 = e.kernels_dispatched(g);
+            let x0 = Tensor::from_vec_in(e, data(300, 2), [3, 100])
+                .unwrap()
+                .to(g)
+                .unwrap();
+            let row = Tensor::from_vec_in(e, data(100, 5), [100])
+                .unwrap()
+                .to(g)
+                .unwrap();
+            let mut x = x0.clone();
+            for i in 0..40 {
+                x = ((&x + &row) * 0.5 - i as f32).tanh() + &x0;
+            }
+            let kept: Vec<Tensor> = (0..5).map(|i| &x * i as f32).collect();
+            let out: Vec<Vec<f32>> = kept.iter().map(|t| t.to_vec().unwrap()).collect();
+            (out, e.kernels_dispatched(g) - k0)
+        };
+        let (a, fused_kernels) = run(&fused, gpu);
+        let (b, plain_kernels) = run(&plain, gpu_plain);
+        for (x, y) in a.iter().zip(&b) {
+            assert_close(x, y, "fused vs unfused");
+        }
+        assert!(plain_kernels >= 40 * 5, "{plain_kernels}");
+        assert!(
+            fused_kernels * 10 < plain_kernels,
+            "{fused_kernels} vs {plain_kernels}"
+        );
+    }
+}

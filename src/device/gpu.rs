@@ -226,6 +226,11 @@ pub(crate) struct Gpu {
     pool: Arc<Pool>,
     /// Kernels dispatched so far (Relaxed: a statistic).
     pub(crate) dispatched: std::sync::atomic::AtomicU64,
+    /// Whether elementwise ops are fused (see `tensor/fusion.rs`).
+    pub(crate) fusion: bool,
+    /// The open group of fused elementwise ops. Lock order: `fuser`, then `batch`.
+    fuser: Mutex<crate::tensor::fusion::Fuser>,
+    max_storage_buffers: usize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -267,7 +272,7 @@ pub(crate) fn parse_backends(s: &str) -> Result<wgpu::Backends, String> {
 /// Opens `logical` devices on every adapter of `backends`. An adapter seen
 /// through several backends (lavapipe as Vulkan and as GL) is kept once, the
 /// first of Vulkan, Metal, DX12, GL. Adapters that fail to open are skipped.
-pub(crate) fn discover(backends: wgpu::Backends, logical: usize) -> Vec<Arc<Gpu>> {
+pub(crate) fn discover(backends: wgpu::Backends, logical: usize, fusion: bool) -> Vec<Arc<Gpu>> {
     if backends.is_empty() || logical == 0 {
         return Vec::new();
     }
@@ -308,7 +313,7 @@ pub(crate) fn discover(backends: wgpu::Backends, logical: usize) -> Vec<Arc<Gpu>
         }
         seen.push(key);
         for l in 0..logical {
-            if let Ok(gpu) = Gpu::open(&adapter, l) {
+            if let Ok(gpu) = Gpu::open(&adapter, l, fusion) {
                 gpus.push(Arc::new(gpu));
             }
         }
@@ -317,7 +322,7 @@ pub(crate) fn discover(backends: wgpu::Backends, logical: usize) -> Vec<Arc<Gpu>
 }
 
 impl Gpu {
-    fn open(adapter: &wgpu::Adapter, logical: usize) -> Result<Gpu, String> {
+    fn open(adapter: &wgpu::Adapter, logical: usize, fusion: bool) -> Result<Gpu, String> {
         let ai = adapter.get_info();
         let limits = adapter.limits();
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
@@ -359,6 +364,9 @@ impl Gpu {
                 classes: Mutex::new(HashMap::new()),
             }),
             dispatched: std::sync::atomic::AtomicU64::new(0),
+            fusion,
+            fuser: Mutex::new(Default::default()),
+            max_storage_buffers: limits.max_storage_buffers_per_shader_stage as usize,
         })
     }
 
@@ -477,6 +485,7 @@ impl Gpu {
         if n == 0 {
             return Ok(Vec::new());
         }
+        self.encode_fused()?;
         let size = (n * 4) as u64;
         let staging = self.scoped(|| {
             self.device.create_buffer(&wgpu::BufferDescriptor {
@@ -517,6 +526,41 @@ impl Gpu {
     /// Encodes one kernel. `buffers` are bound in order and `info` is uploaded
     /// as the last binding.
     pub(crate) fn dispatch(
+        &self,
+        kernel: Kernel,
+        spec: &str,
+        buffers: &[&GpuBuffer],
+        info: &[u32],
+        grid: Grid,
+    ) -> Result<(), String> {
+        self.encode_fused()?;
+        self.dispatch_unfused(kernel, spec, buffers, info, grid)
+    }
+
+    /// Storage buffers one kernel may bind.
+    pub(crate) fn max_bindings(&self) -> usize {
+        self.max_storage_buffers
+    }
+
+    /// Adds an elementwise op to the device's fusion group.
+    pub(crate) fn fuse(
+        &self,
+        dims: &[usize],
+        op: crate::tensor::fusion::ElemOp,
+        inputs: Vec<crate::tensor::fusion::Input>,
+        out: crate::var::Write<crate::tensor::Data>,
+    ) -> Result<(), String> {
+        lock(&self.fuser).push(self, dims, op, inputs, out)
+    }
+
+    /// Encodes the open fusion group, so that what follows is ordered after it.
+    pub(crate) fn encode_fused(&self) -> Result<(), String> {
+        lock(&self.fuser).encode(self)
+    }
+
+    /// [`Gpu::dispatch`] without encoding the fusion group first (called by the
+    /// fuser itself, under its lock).
+    pub(crate) fn dispatch_unfused(
         &self,
         kernel: Kernel,
         spec: &str,
@@ -570,13 +614,15 @@ impl Gpu {
     }
 
     /// Copies `size` bytes between buffers, in order with the batch.
-    pub(crate) fn copy(&self, src: &GpuBuffer, dst: &GpuBuffer, size: u64) {
+    pub(crate) fn copy(&self, src: &GpuBuffer, dst: &GpuBuffer, size: u64) -> Result<(), String> {
         if size == 0 {
-            return;
+            return Ok(());
         }
+        self.encode_fused()?;
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch)
             .copy_buffer_to_buffer(src.raw(), 0, dst.raw(), 0, size);
+        Ok(())
     }
 
     fn pipeline(&self, kernel: Kernel, spec: &str) -> Result<wgpu::ComputePipeline, String> {
@@ -626,11 +672,13 @@ impl Gpu {
 
     /// Submits the open batch, if any, so that its work starts.
     pub(crate) fn flush(&self) -> Result<(), String> {
+        self.encode_fused()?;
         self.submit_locked(&mut lock(&self.batch)).map(|_| ())
     }
 
     /// Submits the open batch and waits until the device has finished everything.
     pub(crate) fn synchronize(&self) -> Result<(), String> {
+        self.encode_fused()?;
         let index = self.submit_locked(&mut lock(&self.batch))?;
         self.device
             .poll(wgpu::PollType::Wait {

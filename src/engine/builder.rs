@@ -63,6 +63,7 @@ pub struct EngineBuilder {
     watermarks: Option<(usize, usize)>,
     backends: Option<String>,
     logical_devices: Option<usize>,
+    fusion: Option<bool>,
     ignore_env: bool,
 }
 
@@ -106,6 +107,13 @@ impl EngineBuilder {
     /// every GPU adapter: how multi-device parallelism is shown on one GPU.
     pub fn logical_devices(mut self, n: usize) -> Self {
         self.logical_devices = Some(n);
+        self
+    }
+
+    /// Fuses chains of elementwise GPU ops into generated kernels (default on;
+    /// `LAZYFLOW_FUSION=0` turns it off, for comparison).
+    pub fn fusion(mut self, on: bool) -> Self {
+        self.fusion = Some(on);
         self
     }
 
@@ -155,6 +163,19 @@ impl EngineBuilder {
             (None, None) => wgpu::Backends::all(),
         };
         let logical_devices = self.logical_devices.unwrap_or(1);
+        let fusion = match (self.fusion, env("LAZYFLOW_FUSION")) {
+            (Some(f), _) => f,
+            (None, Some(v)) => match v.trim() {
+                "0" | "false" | "off" => false,
+                "1" | "true" | "on" => true,
+                other => {
+                    return Err(Error::Config(format!(
+                        "LAZYFLOW_FUSION={other:?}: expected 0 or 1"
+                    )))
+                }
+            },
+            (None, None) => true,
+        };
         Ok(Engine::start(Config {
             mode,
             workers,
@@ -162,6 +183,7 @@ impl EngineBuilder {
             low,
             backends,
             logical_devices,
+            fusion,
         }))
     }
 }

@@ -62,6 +62,8 @@ pub(crate) struct Config {
     pub(crate) backends: wgpu::Backends,
     /// Logical devices (wgpu Device + Queue) opened per adapter.
     pub(crate) logical_devices: usize,
+    /// Fuse elementwise GPU ops into generated kernels.
+    pub(crate) fusion: bool,
 }
 
 /// What the lock protects.
@@ -421,7 +423,11 @@ impl Shared {
 
     fn gpus(&self) -> &[std::sync::Arc<Gpu>] {
         self.gpus.get_or_init(|| {
-            crate::device::gpu::discover(self.config.backends, self.config.logical_devices)
+            crate::device::gpu::discover(
+                self.config.backends,
+                self.config.logical_devices,
+                self.config.fusion,
+            )
         })
     }
 

@@ -2,10 +2,21 @@
 //! the op's WGSL expression. Ops without a GPU kernel yet return
 //! [`Error::Unsupported`] at record time.
 
+use super::fusion::{ElemOp, Input};
 use super::kernels::{BinaryOp, ReduceOp, UnaryOp};
 use super::{Data, Shape, Tensor};
 use crate::device::gpu::{Gpu, GpuBuffer, Grid, Kernel};
 use crate::device::Device;
+
+/// An operand of a fused op inside its node: a tensor's data and shape, or a
+/// scalar.
+type FusedToken = (Option<crate::var::Read<Data>>, Option<Vec<usize>>, f32);
+
+/// An operand of a fused op at record time.
+enum Operand<'t> {
+    Tensor(&'t Tensor),
+    Scalar(f32),
+}
 use crate::error::{Error, Location, Result};
 use std::sync::Arc;
 
@@ -27,6 +38,11 @@ fn binary_expr(op: BinaryOp, l: &str, r: &str) -> String {
         BinaryOp::Gt => cmp(">"),
         BinaryOp::Ge => cmp(">="),
     }
+}
+
+/// The WGSL expression of a binary op on two expressions (for fused kernels).
+pub(crate) fn binary_wgsl(op: BinaryOp, l: &str, r: &str) -> String {
+    binary_expr(op, l, r)
 }
 
 /// The WGSL expression of `op(x, s)` (in-place ops with a scalar).
@@ -148,6 +164,67 @@ impl Tensor {
         }
     }
 
+    /// Records an elementwise op that joins its device's fusion group when it
+    /// runs (see `fusion.rs`). `inputs` are `None` for `self` and `Some(t)` for
+    /// another tensor, or a scalar.
+    fn gpu_fused(
+        &self,
+        gpu: Arc<Gpu>,
+        name: &'static str,
+        location: Location,
+        out_shape: Shape,
+        op: ElemOp,
+        inputs: Vec<Operand<'_>>,
+    ) -> Result<Tensor> {
+        gpu.check_size(name, &out_shape, location)?;
+        let dims = out_shape.dims().to_vec();
+        let n = out_shape.numel();
+        let out = self.output(out_shape);
+        let mut t = self.engine().task_at(name, location);
+        t.device(self.device);
+        let mut tokens: Vec<FusedToken> = Vec::new();
+        let mut self_token: Option<crate::var::Read<Data>> = None;
+        for input in &inputs {
+            match input {
+                Operand::Tensor(x) => {
+                    let token = if x.same_data(self) {
+                        match &self_token {
+                            Some(s) => s.duplicate(),
+                            None => {
+                                let r = t.read(&self.var);
+                                let d = r.duplicate();
+                                self_token = Some(r);
+                                d
+                            }
+                        }
+                    } else {
+                        t.read(&x.var)
+                    };
+                    tokens.push((Some(token), Some(x.dims().to_vec()), 0.0));
+                }
+                Operand::Scalar(s) => tokens.push((None, None, *s)),
+            }
+        }
+        let o = t.write(&out.var);
+        let pending = gpu.expect_node();
+        t.push_fallible(move || {
+            let buf = gpu.alloc(n)?;
+            *o.write() = Data::Gpu(buf);
+            let inputs = tokens
+                .into_iter()
+                .map(|(token, dims, s)| match (token, dims) {
+                    (Some(token), Some(dims)) => Input::Tensor(token, dims),
+                    _ => Input::Scalar(s),
+                })
+                .collect();
+            gpu.fuse(&dims, op, inputs, o)?;
+            drop(self_token);
+            drop(pending);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
     pub(crate) fn gpu_binary(
         &self,
         gpu: Arc<Gpu>,
@@ -157,6 +234,10 @@ impl Tensor {
         location: Location,
     ) -> Result<Tensor> {
         let name = op.name();
+        if gpu.fusion {
+            let inputs = vec![Operand::Tensor(self), Operand::Tensor(other)];
+            return self.gpu_fused(gpu, name, location, out_shape, ElemOp::Binary(op), inputs);
+        }
         gpu.check_size(name, &out_shape, location)?;
         let info = broadcast_info(&self.shape, &other.shape, &out_shape);
         let expr = binary_expr(op, "x", "y");
@@ -418,6 +499,9 @@ impl Tensor {
         let b = (!self.same_data(other)).then(|| t.read(&other.var));
         let pending = gpu.expect_node();
         t.push_fallible(move || {
+            // Encode pending fused ops first: they may read this buffer, and
+            // the fuser must not wait for the write lock taken here.
+            gpu.encode_fused()?;
             let guard = w.write();
             let ab = guard.gpu()?;
             match &b {
@@ -431,7 +515,7 @@ impl Tensor {
                 None => {
                     // A buffer cannot be bound read-only and read-write at once.
                     let copy = gpu.alloc(nb)?;
-                    gpu.copy(ab, &copy, (nb * 4) as u64);
+                    gpu.copy(ab, &copy, (nb * 4) as u64)?;
                     gpu.dispatch(
                         Kernel::Inplace,
                         &expr,
@@ -468,6 +552,7 @@ impl Tensor {
         let pending = gpu.expect_node();
         // Cannot fail: one Var of this engine.
         let _ = t.push_fallible(move || {
+            gpu.encode_fused()?;
             let mut guard = w.write();
             if !matches!(&*guard, Data::Gpu(_)) {
                 // A poisoned or never-computed target: give it a buffer.
@@ -503,7 +588,7 @@ impl Tensor {
         let pending = gpu.expect_node();
         t.push_fallible(move || {
             let buf = gpu.alloc(n)?;
-            gpu.copy(r.read().gpu()?, &buf, (n * 4) as u64);
+            gpu.copy(r.read().gpu()?, &buf, (n * 4) as u64)?;
             *w.write() = Data::Gpu(buf);
             drop(pending);
             Ok(())
@@ -518,6 +603,17 @@ impl Tensor {
         scalar_left: bool,
         location: Location,
     ) -> Tensor {
+        if gpu.fusion {
+            let inputs = if scalar_left {
+                vec![Operand::Scalar(s), Operand::Tensor(self)]
+            } else {
+                vec![Operand::Tensor(self), Operand::Scalar(s)]
+            };
+            let shape = self.shape.clone();
+            return self
+                .gpu_fused(gpu, op.name(), location, shape, ElemOp::Binary(op), inputs)
+                .unwrap_or_else(|e| self.poisoned(e));
+        }
         let expr = if scalar_left {
             binary_expr(op, "s", "x")
         } else {
@@ -527,6 +623,19 @@ impl Tensor {
     }
 
     pub(crate) fn gpu_unary(&self, gpu: Arc<Gpu>, op: UnaryOp, location: Location) -> Tensor {
+        if gpu.fusion {
+            let shape = self.shape.clone();
+            return self
+                .gpu_fused(
+                    gpu,
+                    op.name(),
+                    location,
+                    shape,
+                    ElemOp::Unary(op),
+                    vec![Operand::Tensor(self)],
+                )
+                .unwrap_or_else(|e| self.poisoned(e));
+        }
         self.gpu_map(gpu, op.name(), unary_expr(op).to_string(), 0.0, location)
     }
 }

@@ -11,6 +11,7 @@
 //! which the next blocker on it (or on anything computed from it) returns. Use the
 //! named methods ([`Tensor::add`], ...) to get the error at the call site.
 
+pub(crate) mod fusion;
 mod gpu_ops;
 pub(crate) mod kernels;
 mod ops;
