@@ -23,7 +23,11 @@ fn main() -> lazyflow::Result<()> {
         .position(|a| a == "--json")
         .and_then(|i| args.get(i + 1).cloned());
     let ops = if quick { 200 } else { 10_000 };
-    let sizes: &[usize] = if quick { &[64, 128] } else { &[256, 1024] };
+    let sizes: &[usize] = if quick {
+        &[64, 128]
+    } else {
+        &[256, 1024, 4096]
+    };
 
     let engine = Engine::builder()
         .mode(Mode::Lazy)
@@ -98,7 +102,11 @@ fn main() -> lazyflow::Result<()> {
         for &n in sizes {
             let a = Tensor::rand_uniform_in(&engine, [n, n], -1.0, 1.0, 1)?.to(gpu)?;
             a.matmul(&a)?.wait_to_read()?;
-            let reps = if n >= 1024 { 3 } else { 10 };
+            let reps = match n {
+                4096.. => 1,
+                1024.. => 3,
+                _ => 10,
+            };
             let t = Instant::now();
             let mut last = None;
             for _ in 0..reps {
