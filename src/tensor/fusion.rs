@@ -181,19 +181,6 @@ impl Fuser {
     }
 }
 
-fn unary_wgsl(op: UnaryOp, x: &str) -> String {
-    match op {
-        UnaryOp::Neg => format!("-{x}"),
-        UnaryOp::Exp => format!("exp({x})"),
-        UnaryOp::Log => format!("log({x})"),
-        UnaryOp::Sqrt => format!("sqrt({x})"),
-        UnaryOp::Abs => format!("abs({x})"),
-        UnaryOp::Relu => format!("max({x}, 0.0)"),
-        UnaryOp::Sigmoid => format!("1.0 / (1.0 + exp(-{x}))"),
-        UnaryOp::Tanh => format!("tanh(clamp({x}, -10.0, 10.0))"),
-    }
-}
-
 /// The kernel source and its info buffer: `[n, rank, dims, strides..., scalars...]`.
 fn generate(group: &Group, written: &[bool]) -> (String, Vec<u32>) {
     let rank = group.dims.len();
@@ -271,7 +258,7 @@ fn generate(group: &Group, written: &[bool]) -> (String, Vec<u32>) {
         let expr = match op.op {
             ElemOp::Unary(u) => {
                 let x = operand(&op.args[0], &mut info);
-                unary_wgsl(u, &format!("({x})"))
+                super::gpu_ops::unary_wgsl(u, &format!("({x})"))
             }
             ElemOp::Binary(b) => {
                 let x = operand(&op.args[0], &mut info);

@@ -51,17 +51,22 @@ pub(crate) fn binary_expr_xs(op: BinaryOp) -> String {
 }
 
 /// The WGSL expression of a unary op on `x`.
-fn unary_expr(op: UnaryOp) -> &'static str {
+fn unary_expr(op: UnaryOp) -> String {
+    unary_wgsl(op, "x")
+}
+
+/// The WGSL expression of a unary op on the expression `x`.
+pub(crate) fn unary_wgsl(op: UnaryOp, x: &str) -> String {
     match op {
-        UnaryOp::Neg => "-x",
-        UnaryOp::Exp => "exp(x)",
-        UnaryOp::Log => "log(x)",
-        UnaryOp::Sqrt => "sqrt(x)",
-        UnaryOp::Abs => "abs(x)",
-        UnaryOp::Relu => "max(x, 0.0)",
-        UnaryOp::Sigmoid => "1.0 / (1.0 + exp(-x))",
+        UnaryOp::Neg => format!("-{x}"),
+        UnaryOp::Exp => format!("exp({x})"),
+        UnaryOp::Log => format!("log({x})"),
+        UnaryOp::Sqrt => format!("sqrt({x})"),
+        UnaryOp::Abs => format!("abs({x})"),
+        UnaryOp::Relu => format!("max({x}, 0.0)"),
+        UnaryOp::Sigmoid => format!("1.0 / (1.0 + exp(-{x}))"),
         // tanh is exactly +-1 in f32 beyond |x| = 9; clamping avoids inf / inf.
-        UnaryOp::Tanh => "tanh(clamp(x, -10.0, 10.0))",
+        UnaryOp::Tanh => format!("tanh(clamp({x}, -10.0, 10.0))"),
     }
 }
 
@@ -82,8 +87,8 @@ pub(crate) fn all_specializations() -> Vec<(Kernel, String)> {
         out.push((Kernel::InplaceMap, binary_expr(op, "x", "s")));
     }
     for op in [Neg, Exp, Log, Sqrt, Abs, Relu, Sigmoid, Tanh] {
-        out.push((Kernel::Map, unary_expr(op).to_string()));
-        out.push((Kernel::InplaceMap, unary_expr(op).to_string()));
+        out.push((Kernel::Map, unary_expr(op)));
+        out.push((Kernel::InplaceMap, unary_expr(op)));
     }
     out.push((Kernel::InplaceMap, "s".to_string()));
     for kind in 0..5 {
@@ -636,7 +641,7 @@ impl Tensor {
                 )
                 .unwrap_or_else(|e| self.poisoned(e));
         }
-        self.gpu_map(gpu, op.name(), unary_expr(op).to_string(), 0.0, location)
+        self.gpu_map(gpu, op.name(), unary_expr(op), 0.0, location)
     }
 }
 
