@@ -20,8 +20,8 @@ enum Operand<'t> {
 use crate::error::{Error, Location, Result};
 use std::sync::Arc;
 
-/// The WGSL expression of a binary op on `l` and `r`.
-fn binary_expr(op: BinaryOp, l: &str, r: &str) -> String {
+/// The WGSL expression of a binary op on the expressions `l` and `r`.
+pub(crate) fn binary_wgsl(op: BinaryOp, l: &str, r: &str) -> String {
     let cmp = |c: &str| format!("select(0.0, 1.0, {l} {c} {r})");
     match op {
         BinaryOp::Add => format!("{l} + {r}"),
@@ -40,14 +40,9 @@ fn binary_expr(op: BinaryOp, l: &str, r: &str) -> String {
     }
 }
 
-/// The WGSL expression of a binary op on two expressions (for fused kernels).
-pub(crate) fn binary_wgsl(op: BinaryOp, l: &str, r: &str) -> String {
-    binary_expr(op, l, r)
-}
-
 /// The WGSL expression of `op(x, s)` (in-place ops with a scalar).
 pub(crate) fn binary_expr_xs(op: BinaryOp) -> String {
-    binary_expr(op, "x", "s")
+    binary_wgsl(op, "x", "s")
 }
 
 /// The WGSL expression of a unary op on `x`.
@@ -80,11 +75,11 @@ pub(crate) fn all_specializations() -> Vec<(Kernel, String)> {
     ];
     let mut out = Vec::new();
     for op in binary {
-        out.push((Kernel::Binary, binary_expr(op, "x", "y")));
-        out.push((Kernel::Inplace, binary_expr(op, "x", "y")));
-        out.push((Kernel::Map, binary_expr(op, "x", "s")));
-        out.push((Kernel::Map, binary_expr(op, "s", "x")));
-        out.push((Kernel::InplaceMap, binary_expr(op, "x", "s")));
+        out.push((Kernel::Binary, binary_wgsl(op, "x", "y")));
+        out.push((Kernel::Inplace, binary_wgsl(op, "x", "y")));
+        out.push((Kernel::Map, binary_wgsl(op, "x", "s")));
+        out.push((Kernel::Map, binary_wgsl(op, "s", "x")));
+        out.push((Kernel::InplaceMap, binary_wgsl(op, "x", "s")));
     }
     for op in [Neg, Exp, Log, Sqrt, Abs, Relu, Sigmoid, Tanh] {
         out.push((Kernel::Map, unary_expr(op)));
@@ -245,7 +240,7 @@ impl Tensor {
         }
         gpu.check_size(name, &out_shape, location)?;
         let info = broadcast_info(&self.shape, &other.shape, &out_shape);
-        let expr = binary_expr(op, "x", "y");
+        let expr = binary_wgsl(op, "x", "y");
         let n = out_shape.numel();
         let out = self.output(out_shape);
         let mut t = self.engine().task_at(name, location);
@@ -494,7 +489,7 @@ impl Tensor {
         let rank = out_shape.rank();
         let mut info = full[..2 + rank].to_vec();
         info.extend_from_slice(&full[2 + 2 * rank..]);
-        let expr = binary_expr(op, "x", "y");
+        let expr = binary_wgsl(op, "x", "y");
         let n = self.numel();
         let nb = other.numel();
         let mut t = self.engine().task_at(name, location);
@@ -620,9 +615,9 @@ impl Tensor {
                 .unwrap_or_else(|e| self.poisoned(e));
         }
         let expr = if scalar_left {
-            binary_expr(op, "s", "x")
+            binary_wgsl(op, "s", "x")
         } else {
-            binary_expr(op, "x", "s")
+            binary_wgsl(op, "x", "s")
         };
         self.gpu_map(gpu, op.name(), expr, s, location)
     }
