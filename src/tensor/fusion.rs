@@ -73,7 +73,9 @@ pub(crate) struct Fuser {
     group: Option<Group>,
 }
 
-fn strides_for(shape: &[usize], out: &[usize]) -> Vec<u32> {
+/// Strides (in elements) that read a tensor of `shape` at each index of `out`
+/// under numpy broadcasting: 0 along broadcast dimensions.
+pub(crate) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<u32> {
     let rank = out.len();
     let offset = rank - shape.len();
     let mut own = vec![0usize; shape.len()];
@@ -139,7 +141,7 @@ impl Fuser {
                         if shape == dims {
                             Arg::Leaf(leaf)
                         } else {
-                            Arg::Strided(leaf, strides_for(&shape, dims))
+                            Arg::Strided(leaf, broadcast_strides(&shape, dims))
                         }
                     }
                 }
@@ -280,9 +282,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn broadcast_strides() {
-        assert_eq!(strides_for(&[3, 1], &[2, 3, 4]), vec![0, 1, 0]);
-        assert_eq!(strides_for(&[4], &[2, 3, 4]), vec![0, 0, 1]);
-        assert_eq!(strides_for(&[2, 3, 4], &[2, 3, 4]), vec![12, 4, 1]);
+    fn broadcast_strides_zero_broadcast_dimensions() {
+        assert_eq!(broadcast_strides(&[3, 1], &[2, 3, 4]), vec![0, 1, 0]);
+        assert_eq!(broadcast_strides(&[4], &[2, 3, 4]), vec![0, 0, 1]);
+        assert_eq!(broadcast_strides(&[2, 3, 4], &[2, 3, 4]), vec![12, 4, 1]);
     }
 }

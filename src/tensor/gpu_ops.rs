@@ -118,19 +118,7 @@ fn strided_info(
 /// `[n, rank, out_dims, a_strides, b_strides]` with stride 0 on broadcast dims.
 fn broadcast_info(a: &Shape, b: &Shape, out: &Shape) -> Vec<u32> {
     let rank = out.rank();
-    let strides = |s: &Shape| -> Vec<u32> {
-        let own = s.strides();
-        (0..rank)
-            .map(|d| {
-                let offset = rank - s.rank();
-                if d < offset || s.dims()[d - offset] == 1 {
-                    0
-                } else {
-                    own[d - offset] as u32
-                }
-            })
-            .collect()
-    };
+    let strides = |s: &Shape| super::fusion::broadcast_strides(s.dims(), out.dims());
     let mut info = vec![out.numel() as u32, rank as u32];
     info.extend(out.dims().iter().map(|&d| d as u32));
     info.extend(strides(a));

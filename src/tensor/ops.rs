@@ -761,16 +761,9 @@ impl Tensor {
             ));
         }
         if let Some(gpu) = self.gpu("broadcast_to", location)? {
-            let own = self.shape.strides();
-            let offset = target.rank() - self.shape.rank();
-            let strides: Vec<usize> = (0..target.rank())
-                .map(|d| {
-                    if d < offset || self.dims()[d - offset] == 1 {
-                        0
-                    } else {
-                        own[d - offset]
-                    }
-                })
+            let strides: Vec<usize> = super::fusion::broadcast_strides(self.dims(), target.dims())
+                .into_iter()
+                .map(|s| s as usize)
                 .collect();
             return Ok(self.gpu_strided(gpu, "broadcast_to", target, 0, &strides, location));
         }
