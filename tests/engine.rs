@@ -320,15 +320,20 @@ fn builder_validates_and_reads_the_environment() {
         Engine::builder().backpressure(10, 20).build(),
         Err(Error::Config(_))
     ));
+    assert!(matches!(
+        Engine::builder().cpu_threads(0).build(),
+        Err(Error::Config(_))
+    ));
     assert!("fast".parse::<Mode>().is_err());
     assert_eq!("ASYNC".parse::<Mode>().unwrap(), Mode::Async);
     // Explicit settings win over the environment.
     let e = Engine::builder()
         .mode(Mode::Sync)
         .workers(3)
+        .cpu_threads(2)
         .build()
         .unwrap();
-    assert_eq!((e.mode(), e.workers()), (Mode::Sync, 3));
+    assert_eq!((e.mode(), e.workers(), e.cpu_threads()), (Mode::Sync, 3, 2));
 }
 
 #[test]

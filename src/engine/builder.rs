@@ -64,6 +64,7 @@ pub struct EngineBuilder {
     backends: Option<String>,
     logical_devices: Option<usize>,
     fusion: Option<bool>,
+    cpu_threads: Option<usize>,
     ignore_env: bool,
 }
 
@@ -117,6 +118,24 @@ impl EngineBuilder {
         self
     }
 
+    /// Threads one CPU kernel may use (default: every core; also
+    /// `LAZYFLOW_CPU_THREADS`). Today that is the matrix product, which runs on
+    /// faer's rayon parallelism; elementwise kernels use one thread each. Setting
+    /// it leaves cores for other devices, e.g. a software GPU such as lavapipe
+    /// (`LP_NUM_THREADS`), so that work on the two can run side by side.
+    ///
+    /// ```
+    /// use lazyflow::{Engine, Tensor};
+    /// let engine = Engine::builder().cpu_threads(1).build().unwrap();
+    /// assert_eq!(engine.cpu_threads(), 1);
+    /// let x = Tensor::ones_in(&engine, [128, 128]);
+    /// assert_eq!(x.matmul(&x).unwrap().sum().item().unwrap(), 128.0 * 128.0 * 128.0);
+    /// ```
+    pub fn cpu_threads(mut self, n: usize) -> Self {
+        self.cpu_threads = Some(n);
+        self
+    }
+
     /// Turns backpressure off: the frontend may run arbitrarily far ahead.
     pub fn unbounded(mut self) -> Self {
         self.watermarks = Some((usize::MAX, usize::MAX));
@@ -137,17 +156,25 @@ impl EngineBuilder {
             (None, Some(v)) => v.parse()?,
             (None, None) => Mode::Lazy,
         };
-        let workers = match (self.workers, env("LAZYFLOW_WORKERS")) {
-            (Some(n), _) => n,
-            (None, Some(v)) => v.trim().parse().map_err(|_| {
-                Error::Config(format!(
-                    "LAZYFLOW_WORKERS={v:?}: expected a positive integer"
-                ))
-            })?,
-            (None, None) => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let count = |set: Option<usize>, key: &str| -> Result<usize> {
+            match (set, env(key)) {
+                (Some(n), _) => Ok(n),
+                (None, Some(v)) => v.trim().parse().map_err(|_| {
+                    Error::Config(format!("{key}={v:?}: expected a positive integer"))
+                }),
+                (None, None) => Ok(cores),
+            }
         };
+        let workers = count(self.workers, "LAZYFLOW_WORKERS")?;
         if workers == 0 {
             return Err(Error::Config("an engine needs at least one worker".into()));
+        }
+        let cpu_threads = count(self.cpu_threads, "LAZYFLOW_CPU_THREADS")?;
+        if cpu_threads == 0 {
+            return Err(Error::Config(
+                "CPU kernels need at least one thread (cpu_threads)".into(),
+            ));
         }
         let (high, low) = self
             .watermarks
@@ -184,6 +211,7 @@ impl EngineBuilder {
             backends,
             logical_devices,
             fusion,
+            cpu_threads,
         }))
     }
 }

@@ -64,6 +64,8 @@ pub(crate) struct Config {
     pub(crate) logical_devices: usize,
     /// Fuse elementwise GPU ops into generated kernels.
     pub(crate) fusion: bool,
+    /// Threads one CPU kernel may use.
+    pub(crate) cpu_threads: usize,
 }
 
 /// What the lock protects.
@@ -191,6 +193,11 @@ impl Engine {
 
     pub(crate) fn counters(&self) -> &std::sync::Arc<Counters> {
         &self.inner.shared.counters
+    }
+
+    /// Threads one CPU kernel may use; see [`EngineBuilder::cpu_threads`].
+    pub fn cpu_threads(&self) -> usize {
+        self.shared().config.cpu_threads
     }
 
     /// Whether two handles refer to the same engine.

@@ -697,7 +697,7 @@ const MATMUL_PAR_THRESHOLD: usize = 64 * 64 * 64;
 /// `a` is `batch × m × k`; `b` is `batch × k × n` when `b_batched`, else a
 /// single `k × n` matrix shared by every batch entry; `out` is
 /// `batch × m × n` and is overwritten. Large products run on rayon's global
-/// pool via faer.
+/// pool via faer, split `threads` ways.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul(
     a: &[f32],
@@ -708,6 +708,7 @@ pub(crate) fn matmul(
     k: usize,
     n: usize,
     b_batched: bool,
+    threads: usize,
 ) {
     debug_assert_eq!(a.len(), batch * m * k);
     debug_assert_eq!(b.len(), if b_batched { batch } else { 1 } * k * n);
@@ -722,7 +723,7 @@ pub(crate) fn matmul(
     if !b_batched {
         // A shared right operand lets the batch fold into the rows: one
         // (batch*m) × k by k × n product, which faer blocks better.
-        matmul_2d(a, b, out, batch * m, k, n);
+        matmul_2d(a, b, out, batch * m, k, n, threads);
         return;
     }
     for ((ai, bi), oi) in a
@@ -730,13 +731,13 @@ pub(crate) fn matmul(
         .zip(b.chunks_exact(k * n))
         .zip(out.chunks_exact_mut(m * n))
     {
-        matmul_2d(ai, bi, oi, m, k, n);
+        matmul_2d(ai, bi, oi, m, k, n, threads);
     }
 }
 
-fn matmul_2d(a: &[f32], b: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
-    let par = if m.saturating_mul(k).saturating_mul(n) >= MATMUL_PAR_THRESHOLD {
-        Par::rayon(0)
+fn matmul_2d(a: &[f32], b: &[f32], out: &mut [f32], m: usize, k: usize, n: usize, threads: usize) {
+    let par = if threads > 1 && m.saturating_mul(k).saturating_mul(n) >= MATMUL_PAR_THRESHOLD {
+        Par::rayon(threads)
     } else {
         Par::Seq
     };
@@ -1401,14 +1402,16 @@ mod tests {
             let a = data(batch * m * k, case as u64);
             let b = data(if b_batched { batch } else { 1 } * k * n, case as u64 + 50);
             let want = reference_matmul(&a, &b, batch, m, k, n, b_batched);
-            let mut got = vec![f32::NAN; want.len()];
-            matmul(&a, &b, &mut got, batch, m, k, n, b_batched);
-            assert_close(
-                &got,
-                &want,
-                1e-3,
-                &format!("{batch}x{m}x{k}x{n} {b_batched}"),
-            );
+            for threads in [1, 2, 3] {
+                let mut got = vec![f32::NAN; want.len()];
+                matmul(&a, &b, &mut got, batch, m, k, n, b_batched, threads);
+                assert_close(
+                    &got,
+                    &want,
+                    1e-3,
+                    &format!("{batch}x{m}x{k}x{n} {b_batched}, {threads} threads"),
+                );
+            }
         }
     }
 
@@ -1417,17 +1420,17 @@ mod tests {
         let a = [1.0, 2.0, 3.0, 4.0];
         let b = [5.0, 6.0, 7.0, 8.0];
         let mut out = [0.0; 4];
-        matmul(&a, &b, &mut out, 1, 2, 2, 2, true);
+        matmul(&a, &b, &mut out, 1, 2, 2, 2, true, 2);
         assert_eq!(out, [19.0, 22.0, 43.0, 50.0]);
 
         let mut out = vec![f32::NAN; 6];
-        matmul(&[], &[], &mut out, 2, 1, 0, 3, false);
+        matmul(&[], &[], &mut out, 2, 1, 0, 3, false, 2);
         assert_eq!(out, vec![0.0; 6]);
 
         let mut out: Vec<f32> = vec![];
-        matmul(&[], &data(24, 1), &mut out, 2, 0, 3, 4, true);
-        matmul(&data(6, 1), &[], &mut out, 2, 3, 1, 0, false);
-        matmul(&[], &[], &mut out, 0, 3, 3, 3, true);
+        matmul(&[], &data(24, 1), &mut out, 2, 0, 3, 4, true, 2);
+        matmul(&data(6, 1), &[], &mut out, 2, 3, 1, 0, false, 2);
+        matmul(&[], &[], &mut out, 0, 3, 3, 3, true, 2);
     }
 
     fn reference_transpose(a: &[f32], shape: &[usize], d0: usize, d1: usize) -> Vec<f32> {

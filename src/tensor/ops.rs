@@ -652,13 +652,14 @@ impl Tensor {
                 location,
             );
         }
+        let threads = self.engine().cpu_threads();
         self.map2(
             other,
             "matmul",
             location,
             Shape::from(out_dims),
             move |a, b, out| {
-                kernels::matmul(a, b, out, batch, m, k, n, b_batched);
+                kernels::matmul(a, b, out, batch, m, k, n, b_batched, threads);
             },
         )
     }
