@@ -126,3 +126,25 @@ pub fn run(
     ));
     Ok(r)
 }
+
+/// numpy's matmul GFLOP/s on `reps` products of `n x n` random f32 matrices, in a
+/// python3 subprocess: a peer measured in the same run. `None` without python3
+/// and numpy.
+pub fn numpy_gflops(n: usize, reps: usize) -> Option<f64> {
+    let script = format!(
+        "import numpy as np, time\n\
+         a = np.random.rand({n}, {n}).astype(np.float32)\n\
+         a @ a\n\
+         t = time.perf_counter()\n\
+         for _ in range({reps}): a @ a\n\
+         print(2 * {n}**3 * {reps} / (time.perf_counter() - t) / 1e9)\n"
+    );
+    let out = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+}

@@ -279,13 +279,16 @@ pub struct Tour {
     pub parallel: Result<parallel::Report, String>,
     pub overlap: Result<overlap::Report, String>,
     pub backpressure: bounded_queue::Report,
+    /// numpy's matmul at the asynchronous benchmark's size (full sizes only, and
+    /// only where python3 with numpy is installed).
+    pub numpy_gflops: Option<f64>,
 }
 
 /// Runs every demonstration: 1-3 on every device, 4-6 once. The bounded queue
-/// runs first, so that its memory figures start from a small process.
+/// runs last: a million-node graph leaves the allocator's heap large, and faer
+/// called directly afterwards measured several times slower; its memory figures come with
+/// the resident size the process started from.
 pub fn tour(sizes: &Sizes, p: &Progress) -> DemoResult<Tour> {
-    p.println("== bounded queue ==");
-    let backpressure = bounded_queue::run(sizes, p)?;
     let engine = Engine::builder().build()?; // Lazy
     let async_engine = Engine::builder().mode(lazyflow::Mode::Async).build()?;
     let devices = measured_devices(&engine);
@@ -329,7 +332,15 @@ pub fn tour(sizes: &Sizes, p: &Progress) -> DemoResult<Tour> {
     if let Err(why) = &parallel {
         p.println(why);
     }
+    p.println("== bounded queue ==");
+    let backpressure = bounded_queue::run(sizes, p)?;
+    let numpy_gflops = if sizes.quick {
+        None
+    } else {
+        async_matmul::numpy_gflops(sizes.matmul, sizes.matmul_reps)
+    };
     Ok(Tour {
+        numpy_gflops,
         machine,
         devices: reports,
         parallel,
@@ -372,6 +383,7 @@ impl Tour {
             "parallel": or_skipped(self.parallel.as_ref().map(|r| r.json())),
             "overlap": or_skipped(self.overlap.as_ref().map(|r| r.json())),
             "backpressure": self.backpressure.json(),
+            "peers": {"numpy_matmul_gflops": self.numpy_gflops},
         })
     }
 
@@ -431,6 +443,10 @@ impl Tour {
                 r.cpu_gemm_s,
                 r.gflops(r.cpu_gemm_s)
             );
+        }
+        match self.numpy_gflops {
+            Some(g) => println!("numpy (same run, same size): {g:.1} GFLOP/s"),
+            None => println!("numpy: not measured (quick sizes, or python3 with numpy not found)"),
         }
         println!();
         for d in &self.devices {
