@@ -299,7 +299,12 @@ pub fn tour(sizes: &Sizes, p: &Progress) -> DemoResult<Tour> {
             return Err(format!("{device} is not the same adapter in two engines").into());
         }
         let on_host = on_host_cores(&engine, device);
-        p.println(format!("== {device}: {name} ({backend}) =="));
+        let shared = if on_host && device != Device::Cpu {
+            ", a software GPU on the host's cores: its figures and the CPU's compete for them"
+        } else {
+            ""
+        };
+        p.println(format!("== {device}: {name} ({backend}{shared}) =="));
         let matmul = async_matmul::run(&async_engine, device, sizes, p)?;
         let loops = sync_async::run(&engine, device, sizes, p)?;
         let blockers = blockers::run(&engine, device, sizes, p)?;
@@ -352,6 +357,14 @@ pub fn tour(sizes: &Sizes, p: &Progress) -> DemoResult<Tour> {
 /// How many progress parts [`tour`] has on a machine with `devices` devices.
 pub fn tour_parts(devices: usize) -> usize {
     devices * 5 + 4
+}
+
+impl DeviceReport {
+    /// The device for the tables: `*` marks a software GPU on the host's cores.
+    fn label(&self) -> String {
+        let soft = self.on_host_cores && self.device != Device::Cpu;
+        format!("{}{}", self.device, if soft { "*" } else { "" })
+    }
 }
 
 impl Tour {
@@ -416,7 +429,7 @@ impl Tour {
             ] {
                 println!(
                     "{:<6} {:<30} {:>10.4} {:>10.4} {:>7.1} {:>9.3} {:>9} {:>9}",
-                    d.device.to_string(),
+                    d.label(),
                     what,
                     l.sync_s,
                     l.async_s,
@@ -435,7 +448,7 @@ impl Tour {
             let r = &d.matmul;
             println!(
                 "{:<6} {:<22} {:>16.5} {:>9.4} ({:>5.1}) {:>9.4} ({:>5.1})",
-                d.device.to_string(),
+                d.label(),
                 format!("{} x {}x{} (GFLOP/s)", r.reps, r.n, r.n),
                 r.dispatch_s,
                 r.synced_s,
@@ -481,8 +494,8 @@ impl Tour {
             b.bounded_base_rss_mb,
             b.unbounded_base_rss_mb
         );
-        if self.devices.iter().filter(|d| d.on_host_cores).count() > 1 {
-            println!("note: the CPU and the software GPU adapters share the same cores");
+        if self.devices.iter().any(|d| d.label().ends_with('*')) {
+            println!("* a software GPU (lavapipe) on the host's cores, the same ones the CPU device's figures use");
         }
     }
 }
