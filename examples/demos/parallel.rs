@@ -3,9 +3,8 @@
 //!    with no barrier, and both with a barrier between them.
 //!
 //! Which two devices: two GPU adapters if there are two; otherwise the GPU and
-//! the CPU device. Two logical devices on one adapter share its execution units,
-//! so they show little (on lavapipe they measured 1.0x); a GPU and the CPU are
-//! separate hardware. A software GPU (lavapipe) runs on the host's cores, so it
+//! the CPU device. Two logical devices on one adapter share its execution units;
+//! a GPU and the CPU are separate hardware. A software GPU (lavapipe) runs on the host's cores, so it
 //! and the CPU device each get their own share of them, as a user would set it up:
 //! `LP_NUM_THREADS` for lavapipe, [`lazyflow::EngineBuilder::cpu_threads`] for
 //! the CPU device.
