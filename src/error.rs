@@ -119,13 +119,19 @@ pub enum Error {
         /// What went wrong: the panic message or the kernel's error.
         message: String,
     },
-    /// A blocker inside a running task waited on a value that needs that same task.
-    #[error("wait inside task {op} (recorded at {location}) would wait on its own output")]
+    /// A wait that could never end, refused instead of hanging: a blocker inside a
+    /// running task on a value that needs that same task, blockers inside tasks
+    /// on several threads that wait on each other in a cycle, or a wait (or a
+    /// Sync-mode record) for a write to a Var this thread is reading in
+    /// [`crate::Var::with`].
+    #[error("waiting here would deadlock: {op} (recorded at {location}) {reason}")]
     WouldDeadlock {
-        /// The running task.
+        /// The op the wait would never see finish.
         op: String,
-        /// Where that task was recorded.
+        /// Where that op was recorded.
         location: Location,
+        /// Why it could never finish.
+        reason: String,
     },
     /// The engine configuration (builder or environment) is invalid.
     #[error("invalid engine configuration: {0}")]

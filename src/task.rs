@@ -173,7 +173,7 @@ impl<'e> TaskBuilder<'e> {
         self,
         f: impl FnOnce() -> std::result::Result<(), E> + Send + 'static,
     ) -> Result<TaskHandle> {
-        let engine = self.engine.clone();
+        let engine = self.engine.uncounted();
         let status = Arc::new(TaskStatus {
             node: OnceLock::new(),
             done: OnceLock::new(),
@@ -223,11 +223,12 @@ impl<'e> TaskBuilder<'e> {
             });
         }
         let keep = self.keep;
-        self.engine
+        let recorded = self
+            .engine
             .shared()
             .record(self.meta, self.reads, self.writes, task);
         // Only now may a Var named here be forgotten.
         drop(keep);
-        Ok(())
+        recorded
     }
 }

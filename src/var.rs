@@ -80,8 +80,103 @@ impl<T> Storage<T> {
         self.value.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn write(&self) -> RwLockWriteGuard<'_, T> {
-        self.value.write().unwrap_or_else(|p| p.into_inner())
+    /// A read guard for a task's token: refuses (by panicking, which fails the
+    /// task) when this thread holds the write guard, which would wait forever.
+    fn token_read(&self) -> ReadGuard<'_, T> {
+        let held = Held::take(self.key(), false);
+        ReadGuard {
+            guard: self.read(),
+            _held: held,
+        }
+    }
+
+    /// A write guard for a task's token: refuses when this thread holds any
+    /// guard of the same data (a task that declared a Var both read and write
+    /// and borrowed it through both tokens at once).
+    fn token_write(&self) -> WriteGuard<'_, T> {
+        let held = Held::take(self.key(), true);
+        WriteGuard {
+            guard: self.value.write().unwrap_or_else(|p| p.into_inner()),
+            _held: held,
+        }
+    }
+
+    fn key(&self) -> usize {
+        self as *const Self as *const () as usize
+    }
+}
+
+thread_local! {
+    /// The Var data this thread holds guards of, and whether each is a write.
+    static HELD: std::cell::RefCell<Vec<(usize, bool)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One guard held by this thread, registered until dropped.
+struct Held {
+    key: usize,
+    write: bool,
+}
+
+impl Held {
+    fn take(key: usize, write: bool) -> Held {
+        let conflict = HELD.with(|h| h.borrow().iter().any(|&(k, w)| k == key && (write || w)));
+        if conflict {
+            // Caught by the scheduler: the task fails with this message instead
+            // of waiting for itself forever.
+            panic!(
+                "a task took the {} guard of a Var while holding its {} guard on the same thread, which would wait forever; drop the first guard (or use the write token's `read`/`write` alone)",
+                if write { "write" } else { "read" },
+                if write { "read or write" } else { "write" },
+            );
+        }
+        HELD.with(|h| h.borrow_mut().push((key, write)));
+        Held { key, write }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        HELD.with(|h| {
+            let mut h = h.borrow_mut();
+            if let Some(i) = h
+                .iter()
+                .rposition(|&(k, w)| k == self.key && w == self.write)
+            {
+                h.remove(i);
+            }
+        });
+    }
+}
+
+/// Shared access to a Var's data inside a task (see [`Read::read`]).
+pub struct ReadGuard<'a, T> {
+    guard: RwLockReadGuard<'a, T>,
+    _held: Held,
+}
+
+impl<T> std::ops::Deref for ReadGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+/// Exclusive access to a Var's data inside a task (see [`Write::write`]).
+pub struct WriteGuard<'a, T> {
+    guard: RwLockWriteGuard<'a, T>,
+    _held: Held,
+}
+
+impl<T> std::ops::Deref for WriteGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<T> std::ops::DerefMut for WriteGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.guard
     }
 }
 
@@ -101,8 +196,12 @@ pub struct Read<T> {
 
 impl<T> Read<T> {
     /// Borrows the data.
-    pub fn read(&self) -> RwLockReadGuard<'_, T> {
-        self.storage.read()
+    ///
+    /// Taking it while the same thread holds the write guard of the same Var
+    /// (a task that declared it both read and write) fails the task with a
+    /// message instead of waiting forever.
+    pub fn read(&self) -> ReadGuard<'_, T> {
+        self.storage.token_read()
     }
 
     /// Identifies the data (equal for tokens of the same Var).
@@ -129,13 +228,30 @@ pub struct Write<T> {
 
 impl<T> Write<T> {
     /// Borrows the data mutably.
-    pub fn write(&self) -> RwLockWriteGuard<'_, T> {
-        self.storage.write()
+    ///
+    /// Taking it while the same thread holds another guard of the same Var fails
+    /// the task with a message instead of waiting forever:
+    ///
+    /// ```
+    /// use lazyflow::Engine;
+    /// let engine = Engine::builder().workers(1).build().unwrap();
+    /// let x = engine.var(1u32);
+    /// let mut t = engine.task("both");
+    /// let (r, w) = (t.read(&x), t.write(&x));
+    /// let handle = t.run(move || {
+    ///     let old = r.read();
+    ///     *w.write() = *old + 1; // the read guard is still held
+    /// }).unwrap();
+    /// let err = handle.wait().unwrap_err().to_string();
+    /// assert!(err.contains("both") && err.contains("guard"), "{err}");
+    /// ```
+    pub fn write(&self) -> WriteGuard<'_, T> {
+        self.storage.token_write()
     }
 
     /// Borrows the data (a writer may also read what it is about to change).
-    pub fn read(&self) -> RwLockReadGuard<'_, T> {
-        self.storage.read()
+    pub fn read(&self) -> ReadGuard<'_, T> {
+        self.storage.token_read()
     }
 
     /// Identifies the data (equal for tokens of the same Var).
@@ -170,7 +286,7 @@ impl Engine {
         Var {
             inner: Arc::new(VarHandle {
                 id,
-                engine: self.clone(),
+                engine: self.uncounted(),
                 storage: Arc::new(Storage::new(value, self.counters().clone())),
             }),
         }
@@ -245,9 +361,27 @@ impl<T> Var<T> {
 
     /// Implicit blocker: waits for the value like [`Var::wait_to_read`] and calls
     /// `f` on it.
+    ///
+    /// While `f` runs, a blocker on this thread that would wait for a write to
+    /// this Var (a `get` after a `set` of it, or a `set` in [`crate::Mode::Sync`])
+    /// returns [`crate::Error::WouldDeadlock`] instead of waiting forever: the
+    /// write cannot run before `f` lets go of the value.
+    ///
+    /// ```
+    /// use lazyflow::{Engine, Error};
+    /// let engine = Engine::builder().workers(1).build().unwrap();
+    /// let x = engine.var(1u32);
+    /// let r = x.with(|v| {
+    ///     x.set(*v + 1).unwrap();
+    ///     x.get()
+    /// });
+    /// assert!(matches!(r, Ok(Err(Error::WouldDeadlock { .. }))));
+    /// assert_eq!(x.get().unwrap(), 2);
+    /// ```
     pub fn with<R>(&self, f: impl FnOnce(&T) -> R) -> Result<R> {
         self.engine().counters().blocker(true);
         self.settle_read()?;
+        let _borrow = crate::sched::Borrow::new(self.engine().shared().id, self.id());
         Ok(f(&self.inner.storage.read()))
     }
 

@@ -203,7 +203,7 @@ impl EngineBuilder {
             },
             (None, None) => true,
         };
-        Ok(Engine::start(Config {
+        Engine::start(Config {
             mode,
             workers,
             high,
@@ -212,6 +212,6 @@ impl EngineBuilder {
             logical_devices,
             fusion,
             cpu_threads,
-        }))
+        })
     }
 }

@@ -20,16 +20,25 @@ use crate::device::{gpu::Gpu, Device, GpuInfo};
 use crate::error::{Error, Location, Result};
 use crate::graph::{Graph, NodeId, NodeMeta, Outcome, VarId};
 use crate::sched::{self, sleep::Sleep, Task, Work};
-use crate::sync::{lock, Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
+use crate::sync::{lock, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
 use crossbeam_deque::{Injector, Stealer};
 use inbox::{Entry, Inbox, VAR_CHUNK};
 use smallvec::SmallVec;
 use std::sync::OnceLock;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// A handle to an engine: cheap to clone, `Send + Sync`; the engine shuts down when
-/// the last handle (including those inside Vars and Tensors) is dropped.
+/// A handle to an engine: cheap to clone, `Send + Sync`.
+///
+/// The engine's life is that of its `Engine` handles: when the last one is
+/// dropped, everything recorded so far is demanded and still runs (user tasks may
+/// have effects beyond the values they write), and the worker threads exit once
+/// it has. Vars, Tensors and task handles keep the engine's data reachable but not
+/// its threads, so a recorded task that holds a Var cannot keep an engine alive
+/// forever. Using such a value after the last handle is gone still works: its
+/// work runs at once, on workers started again for it.
+///
+/// Dropping the last handle on a plain thread waits for the recorded work; on any
+/// engine's worker thread (inside a task) it does not block.
 ///
 /// ```
 /// use lazyflow::Engine;
@@ -39,15 +48,37 @@ use std::time::Duration;
 /// let w = task.write(&x);
 /// task.run(move || *w.write() *= 2).unwrap();
 /// assert_eq!(x.get().unwrap(), 2);
+/// drop(engine);                                   // the workers exit
+/// assert_eq!(x.get().unwrap(), 2);                // the value is still there
 /// ```
-#[derive(Clone)]
 pub struct Engine {
-    inner: Arc<EngineInner>,
+    // std's Arc (not `crate::sync`): workers are started again from a `Weak`
+    // self-reference, which loom's Arc does not offer; the loom models do not
+    // build engines.
+    shared: std::sync::Arc<Shared>,
+    /// Whether this handle counts toward the engine's life: those the user holds
+    /// do; the ones inside Vars, Tensors and task handles do not.
+    counted: bool,
 }
 
-struct EngineInner {
-    shared: Arc<Shared>,
-    threads: std::sync::Mutex<Vec<JoinHandle<()>>>,
+impl Clone for Engine {
+    /// A new handle that counts toward the engine's life (also when cloned from
+    /// the handle a Var or Tensor returns).
+    fn clone(&self) -> Self {
+        self.shared.acquire_handle();
+        Engine {
+            shared: self.shared.clone(),
+            counted: true,
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if self.counted {
+            self.shared.release_handle();
+        }
+    }
 }
 
 /// Execution settings fixed when the engine is built.
@@ -83,6 +114,19 @@ pub(crate) struct Locked {
     /// end only when the graph drains, so nothing may sit there undemanded.
     global_demand: usize,
     peak_live: usize,
+    /// The last `Engine` handle is gone: everything recorded is demanded at once
+    /// (`global_demand` holds one count for it) and the workers exit when the
+    /// graph and the inbox are empty. Cleared when a handle is made again.
+    retiring: bool,
+    /// Worker threads running (they exit only while `retiring`).
+    alive: usize,
+    /// The deques of workers that exited, for the ones started again (their
+    /// stealers stay in `Shared::stealers`).
+    idle_deques: Vec<crossbeam_deque::Worker<Work>>,
+    /// Blockers inside tasks, for cross-thread deadlock checks: the nodes running
+    /// or suspended on each waiting thread, and what that thread waits for.
+    pub(crate) waits: Vec<WaitEntry>,
+    next_wait: u64,
     /// Counted under the lock that is held anyway (no extra shared cache lines
     /// on the hot paths).
     pub(crate) tally: Tally,
@@ -99,8 +143,17 @@ pub(crate) struct Shared {
     pub(crate) injector: Injector<Work>,
     pub(crate) stealers: Vec<Stealer<Work>>,
     pub(crate) sleep: Sleep,
-    /// Release in `EngineInner::drop`, Acquire in the worker loop.
+    /// Set (Release) when the engine is retiring and its graph and inbox are
+    /// empty, Acquire in the worker loop: workers may then exit. Written under
+    /// the state lock.
     pub(crate) shutdown: AtomicBool,
+    /// `Locked::retiring`, readable without the lock by the Lazy record path
+    /// (SeqCst with the inbox lock; see [`Shared::record`]).
+    retiring: AtomicBool,
+    /// `Engine` handles that count (see [`Engine`]).
+    handles: std::sync::atomic::AtomicUsize,
+    /// This engine itself, to start workers again after they exited.
+    me: std::sync::Weak<Shared>,
     pub(crate) counters: std::sync::Arc<Counters>,
     /// Lazy-mode records and Var drops not yet applied to the graph; see
     /// `inbox.rs`. Lock order: `state`, then `inbox`.
@@ -139,14 +192,15 @@ impl Engine {
         })
     }
 
-    pub(crate) fn start(config: Config) -> Engine {
+    pub(crate) fn start(config: Config) -> Result<Engine> {
         let (config_high, config_low) = (config.high, config.low);
         let locals: Vec<_> = (0..config.workers)
             .map(|_| crossbeam_deque::Worker::new_lifo())
             .collect();
-        let shared = Arc::new(Shared {
+        let stealers = locals.iter().map(|l| l.stealer()).collect();
+        let shared = std::sync::Arc::new_cyclic(|me| Shared {
             id: NEXT_ENGINE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            stealers: locals.iter().map(|l| l.stealer()).collect(),
+            stealers,
             config,
             state: Mutex::new(Locked {
                 graph: Graph::default(),
@@ -155,44 +209,56 @@ impl Engine {
                 bp_signalled: false,
                 global_demand: 0,
                 peak_live: 0,
+                retiring: false,
+                alive: 0,
+                idle_deques: locals,
+                waits: Vec::new(),
+                next_wait: 0,
                 tally: Tally::default(),
             }),
             changed: Condvar::new(),
             injector: Injector::new(),
             sleep: Sleep::new(),
             shutdown: AtomicBool::new(false),
+            retiring: AtomicBool::new(false),
+            handles: std::sync::atomic::AtomicUsize::new(1),
+            me: me.clone(),
             counters: std::sync::Arc::new(Counters::default()),
             inbox: Mutex::new(Inbox::new()),
             inbox_len: std::sync::atomic::AtomicUsize::new(0),
             batch: Inbox::batch(config_high, config_low),
             gpus: OnceLock::new(),
         });
-        let threads = locals
-            .into_iter()
-            .enumerate()
-            .map(|(i, local)| {
-                let shared = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("lazyflow-worker-{i}"))
-                    .spawn(move || sched::worker_main(shared, local))
-                    .expect("spawning a worker thread")
-            })
-            .collect();
+        let engine = Engine {
+            shared,
+            counted: true,
+        };
+        let mut st = lock(&engine.shared.state);
+        engine.shared.start_workers(&mut st);
+        if st.alive == 0 {
+            drop(st);
+            return Err(Error::Config("could not start any worker thread".into()));
+        }
+        drop(st);
+        Ok(engine)
+    }
+
+    /// A handle that does not count toward the engine's life (held by Vars,
+    /// Tensors and task handles).
+    pub(crate) fn uncounted(&self) -> Engine {
         Engine {
-            inner: Arc::new(EngineInner {
-                shared,
-                threads: std::sync::Mutex::new(threads),
-            }),
+            shared: self.shared.clone(),
+            counted: false,
         }
     }
 
     #[inline]
     pub(crate) fn shared(&self) -> &Shared {
-        &self.inner.shared
+        &self.shared
     }
 
     pub(crate) fn counters(&self) -> &std::sync::Arc<Counters> {
-        &self.inner.shared.counters
+        &self.shared.counters
     }
 
     /// Threads one CPU kernel may use; see [`EngineBuilder::cpu_threads`].
@@ -202,7 +268,7 @@ impl Engine {
 
     /// Whether two handles refer to the same engine.
     pub fn same(&self, other: &Engine) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
+        std::sync::Arc::ptr_eq(&self.shared, &other.shared)
     }
 
     /// The execution mode this engine was built with.
@@ -326,27 +392,129 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-impl Drop for EngineInner {
-    fn drop(&mut self) {
-        let shared = &self.shared;
-        let on_worker = sched::on_worker_of(shared.id);
-        if !on_worker {
-            // Recorded work still runs: user tasks may have effects beyond the
-            // values they write.
-            let _ = shared.wait_all();
+impl Shared {
+    /// A counted handle is made (see [`Engine`]'s `Clone`). The first one after
+    /// the engine began retiring cancels that.
+    fn acquire_handle(&self) {
+        if self.handles.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.revive();
         }
-        shared.shutdown.store(true, Ordering::Release);
-        shared.sleep.wake_all();
-        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
-        if !on_worker {
-            for t in threads {
-                let _ = t.join();
+    }
+
+    #[cold]
+    fn revive(&self) {
+        let mut st = lock(&self.state);
+        // A release that raced with this acquire may not have retired yet; it
+        // re-checks the count under the lock and then does nothing.
+        if !st.retiring || self.handles.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        st.retiring = false;
+        self.retiring.store(false, Ordering::SeqCst);
+        st.global_demand -= 1;
+        self.shutdown.store(false, Ordering::Release);
+        self.start_workers(&mut st);
+    }
+
+    /// A counted handle is dropped; the last one retires the engine.
+    fn release_handle(&self) {
+        if self.handles.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        self.retire();
+    }
+
+    /// The last `Engine` handle is gone: demand everything recorded (and, through
+    /// `global_demand`, everything recorded from now on), let the workers exit
+    /// once it has run, and wait for it on a plain thread. Never blocks a worker
+    /// thread of any engine.
+    #[cold]
+    fn retire(&self) {
+        let mut st = lock(&self.state);
+        if st.retiring || self.handles.load(Ordering::Acquire) != 0 {
+            return;
+        }
+        st.retiring = true;
+        self.retiring.store(true, Ordering::SeqCst);
+        st.global_demand += 1;
+        self.apply_inbox(&mut st);
+        let mut pushed = 0;
+        st.graph.demand_all(&mut |r| {
+            sched::publish(self, r);
+            pushed += 1;
+        });
+        self.sleep.wake(pushed);
+        self.check_drained(&mut st);
+        drop(st);
+        if !sched::on_any_worker() {
+            let _ = self.wait_all();
+        }
+    }
+
+    /// While retiring, lets the workers exit once nothing is left to run.
+    fn check_drained(&self, st: &mut Locked) {
+        if !st.retiring {
+            return;
+        }
+        // Vars dropped meanwhile wait in the inbox; records there are demanded
+        // when applied.
+        self.apply_inbox(st);
+        if st.graph.live_nodes() == 0 {
+            self.shutdown.store(true, Ordering::Release);
+            self.sleep.wake_all();
+        }
+    }
+
+    /// Work entered the graph: while retiring, the workers must stay (or come
+    /// back).
+    fn keep_workers(&self, st: &mut Locked) {
+        if st.retiring {
+            self.shutdown.store(false, Ordering::Release);
+            self.start_workers(st);
+        }
+    }
+
+    /// Starts workers until the configured number runs.
+    fn start_workers(&self, st: &mut Locked) {
+        let Some(me) = self.me.upgrade() else {
+            return;
+        };
+        while st.alive < self.config.workers {
+            let Some(local) = st.idle_deques.pop() else {
+                return;
+            };
+            let shared = me.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("lazyflow-worker-{}", st.alive))
+                .spawn(move || sched::worker_main(shared, local));
+            match spawned {
+                Ok(_) => st.alive += 1,
+                Err(e) => {
+                    eprintln!("lazyflow: could not start a worker thread: {e}");
+                    return;
+                }
             }
         }
     }
-}
 
-impl Shared {
+    /// Called by a worker that found no work after `shutdown` was set: whether it
+    /// may exit (then its deque is kept for a later start).
+    pub(crate) fn retire_worker(&self, local: &mut Option<crossbeam_deque::Worker<Work>>) -> bool {
+        let mut st = lock(&self.state);
+        if !st.retiring {
+            return false;
+        }
+        self.apply_inbox(&mut st);
+        if st.graph.live_nodes() != 0 || self.has_queued_work() {
+            return false;
+        }
+        if let Some(l) = local.take() {
+            st.idle_deques.push(l);
+        }
+        st.alive -= 1;
+        true
+    }
+
     /// Records one node. In Lazy mode it goes to the inbox (applied to the graph
     /// in batches); in Async and Sync modes it enters the graph and is demanded at
     /// once, and Sync also waits for it. Stalls at the backpressure high mark
@@ -357,7 +525,7 @@ impl Shared {
         reads: SmallVec<[VarId; 4]>,
         writes: SmallVec<[VarId; 2]>,
         task: Task,
-    ) {
+    ) -> Result<()> {
         // Records from inside a task go straight to the graph: a worker never
         // waits on backpressure, so it must not leave work in the inbox for a
         // stalled frontend to find.
@@ -375,10 +543,14 @@ impl Shared {
                     .store(n, std::sync::atomic::Ordering::Relaxed);
                 n >= self.batch
             };
-            if full {
+            // SeqCst, after the push under the inbox lock: if the engine began
+            // retiring before this push, `retire` applied the inbox before it and
+            // we see the flag here, so the entry is committed (and demanded) now
+            // rather than left for workers that may have exited.
+            if full || self.retiring.load(Ordering::SeqCst) {
                 self.commit_batch();
             }
-            return;
+            return Ok(());
         }
         let mut pushed = 0;
         let on_worker = sched::on_worker_of(self.id);
@@ -407,13 +579,16 @@ impl Shared {
                 pushed += 1;
             });
         }
+        self.keep_workers(&mut st);
         drop(st);
         self.sleep.wake(pushed);
         if self.config.mode == Mode::Sync {
-            // The node's failure, if any, is reported by the caller through the
-            // values it wrote or its task handle.
-            let _ = self.wait_for(|_| SmallVec::from_slice(&[id]));
+            // The node's own failure is reported by the caller through the values
+            // it wrote or its task handle; a wait that cannot happen (a record
+            // inside a task that depends on that task) is this call's error.
+            self.wait_for(|_| SmallVec::from_slice(&[id]))?;
         }
+        Ok(())
     }
 
     /// Applies a full inbox, first stalling at the high mark if the frontend is
@@ -426,6 +601,7 @@ impl Shared {
             st = self.backpressure(st);
         }
         self.apply_inbox(&mut st);
+        self.keep_workers(&mut st);
     }
 
     fn gpus(&self) -> &[std::sync::Arc<Gpu>] {
@@ -464,6 +640,7 @@ impl Shared {
         };
         let mut entries = entries;
         let mut pushed = 0;
+        let mut recorded = false;
         for entry in entries.drain(..) {
             match entry {
                 Entry::Record {
@@ -478,6 +655,7 @@ impl Shared {
                         s.set_node(id);
                     }
                     st.tally.recorded += 1;
+                    recorded = true;
                     if st.global_demand > 0 {
                         st.graph.demand(&[id], &mut |r| {
                             sched::publish(self, r);
@@ -487,6 +665,9 @@ impl Shared {
                 }
                 Entry::DropVar(v) => st.graph.drop_var(v),
             }
+        }
+        if recorded {
+            self.keep_workers(st);
         }
         let live = st.graph.live_nodes();
         if live > st.peak_live {
@@ -571,18 +752,6 @@ impl Shared {
         self.complete_locked(lock(&self.state), finished)
     }
 
-    /// [`Shared::complete`] if the engine lock is free right now; `None` (and
-    /// `finished` untouched) if another thread holds it.
-    pub(crate) fn try_complete(&self, finished: &mut Vec<sched::Finished>) -> Option<Option<Work>> {
-        match self.state.try_lock() {
-            Ok(st) => Some(self.complete_locked(st, finished)),
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                Some(self.complete_locked(p.into_inner(), finished))
-            }
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
-    }
-
     fn complete_locked(
         &self,
         st: MutexGuard<'_, Locked>,
@@ -612,6 +781,9 @@ impl Shared {
                 // status.
                 sched::report(status, err);
                 notify |= waited;
+            }
+            if st.retiring {
+                self.check_drained(&mut st);
             }
             let live = st.graph.live_nodes();
             let drained = st.bp_waiters > 0
@@ -655,18 +827,43 @@ impl Shared {
         if roots.is_empty() {
             return Ok(());
         }
-        let mut allowed = None;
+        let ancestors = st.graph.ancestors(&roots);
+        let borrowed = sched::borrowed_vars(self.id);
+        if !borrowed.is_empty() {
+            if let Some(n) = st.graph.writer_among(&ancestors, &borrowed) {
+                return Err(deadlock_error(
+                    st.graph.meta(n),
+                    "writes a Var that this thread is reading in Var::with",
+                ));
+            }
+        }
+        let mut registered = None;
         if on_worker {
+            let running = sched::running_nodes();
             // Any task suspended on this thread (not only the innermost) that the
             // targets depend on can never finish while this wait lasts.
-            let analysis = st.graph.analysis();
-            for node in sched::running_nodes().into_iter().rev() {
-                if analysis.is_ancestor(node, &roots) {
-                    let meta = st.graph.meta(node);
-                    return Err(deadlock_error(meta));
-                }
+            if let Some(&n) = running.iter().rev().find(|n| ancestors.contains(n)) {
+                return Err(deadlock_error(
+                    st.graph.meta(n),
+                    "is the task that waits, or suspended under it on the same thread",
+                ));
             }
-            allowed = Some(analysis.ancestors(&roots));
+            // Nor can one whose finish needs, through blockers inside tasks on
+            // other threads, what this wait keeps from finishing.
+            if let Some(n) = waits_cycle(&st, &ancestors, &running) {
+                return Err(deadlock_error(
+                    st.graph.meta(n),
+                    "waits, through blockers inside tasks on other threads, for this wait to end",
+                ));
+            }
+            let id = st.next_wait;
+            st.next_wait += 1;
+            st.waits.push(WaitEntry {
+                id,
+                stack: running,
+                roots: roots.clone(),
+            });
+            registered = Some(id);
         }
         let mut pushed = 0;
         st.graph.demand(&roots, &mut |r| {
@@ -679,9 +876,10 @@ impl Shared {
         }
         self.sleep.wake(pushed);
         let done = |g: &Graph<Task>| roots.iter().all(|r| !g.is_live(*r));
-        if let Some(allowed) = allowed {
+        if let Some(id) = registered {
             drop(st);
-            self.help_until(done, &allowed);
+            self.help_until(done, &ancestors);
+            lock(&self.state).waits.retain(|w| w.id != id);
             return Ok(());
         }
         while !done(&st.graph) {
@@ -695,10 +893,24 @@ impl Shared {
         if sched::on_worker_of(self.id) {
             if let Some(current) = sched::current_node() {
                 let meta = lock(&self.state).graph.meta(current);
-                return Err(deadlock_error(meta));
+                return Err(deadlock_error(
+                    meta,
+                    "is the task that waits for everything",
+                ));
             }
         }
         let mut st = lock(&self.state);
+        let borrowed = sched::borrowed_vars(self.id);
+        if !borrowed.is_empty() {
+            self.apply_inbox(&mut st);
+            let all: std::collections::HashSet<NodeId> = st.graph.node_ids().collect();
+            if let Some(n) = st.graph.writer_among(&all, &borrowed) {
+                return Err(deadlock_error(
+                    st.graph.meta(n),
+                    "writes a Var that this thread is reading in Var::with",
+                ));
+            }
+        }
         st.global_demand += 1;
         self.apply_inbox(&mut st);
         let mut pushed = 0;
@@ -769,12 +981,55 @@ impl Shared {
     }
 }
 
-fn deadlock_error(meta: Option<NodeMeta>) -> Error {
+fn deadlock_error(meta: Option<NodeMeta>, reason: &str) -> Error {
     let (op, location) = match meta {
         Some(m) => (m.name.to_string(), m.location),
         None => ("<unknown>".to_string(), Location::caller()),
     };
-    Error::WouldDeadlock { op, location }
+    Error::WouldDeadlock {
+        op,
+        location,
+        reason: reason.to_string(),
+    }
+}
+
+/// A blocker inside a task, waiting on `roots`, on a thread where `stack` runs
+/// (outermost first).
+pub(crate) struct WaitEntry {
+    id: u64,
+    stack: Vec<NodeId>,
+    roots: SmallVec<[NodeId; 4]>,
+}
+
+/// Whether a new wait, whose targets need `needed` (the targets and their
+/// ancestors), closes a cycle through the waits of other threads: a node in
+/// `needed` that is running on a thread suspended in a blocker finishes only
+/// after that blocker's targets (and their ancestors) do, so those are needed
+/// too. Returns the node of `running` (this thread's stack) found needed.
+fn waits_cycle(
+    st: &Locked,
+    needed: &std::collections::HashSet<NodeId>,
+    running: &[NodeId],
+) -> Option<NodeId> {
+    if st.waits.is_empty() {
+        return None;
+    }
+    let mut needed = needed.clone();
+    let mut merged = vec![false; st.waits.len()];
+    loop {
+        let mut grew = false;
+        for (i, w) in st.waits.iter().enumerate() {
+            if !merged[i] && w.stack.iter().any(|n| needed.contains(n)) {
+                merged[i] = true;
+                needed.extend(st.graph.ancestors(&w.roots));
+                grew = true;
+            }
+        }
+        if !grew {
+            break;
+        }
+    }
+    running.iter().rev().copied().find(|n| needed.contains(n))
 }
 
 fn wait<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {

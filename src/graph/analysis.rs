@@ -1,9 +1,10 @@
-//! A petgraph snapshot of the live window, for questions asked off the hot path:
-//! ancestor closure (deadlock checks for blockers inside tasks) and DOT export.
+//! A petgraph snapshot of the live window, for DOT export. (Deadlock checks walk
+//! the graph's own dependency lists instead: see `Graph::ancestors`; copying the
+//! whole live graph under the engine lock for every blocker inside a task cost
+//! time proportional to everything recorded.)
 
 use super::{NodeId, NodeMeta};
-use petgraph::graph::{DiGraph, NodeIndex};
-use petgraph::visit::{Dfs, Reversed};
+use petgraph::graph::DiGraph;
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -11,7 +12,6 @@ use std::fmt::Write;
 /// node that waits for it.
 pub(crate) struct Analysis {
     dag: DiGraph<(NodeId, NodeMeta, bool), ()>,
-    index: HashMap<NodeId, NodeIndex>,
 }
 
 impl Analysis {
@@ -30,43 +30,7 @@ impl Analysis {
                 }
             }
         }
-        Analysis { dag, index }
-    }
-
-    /// Whether `candidate` is one of `roots` or an ancestor of one.
-    pub(crate) fn is_ancestor(&self, candidate: NodeId, roots: &[NodeId]) -> bool {
-        let Some(&target) = self.index.get(&candidate) else {
-            return false;
-        };
-        let reversed = Reversed(&self.dag);
-        let mut dfs = Dfs::empty(reversed);
-        for r in roots {
-            if let Some(&start) = self.index.get(r) {
-                dfs.move_to(start);
-                while let Some(n) = dfs.next(reversed) {
-                    if n == target {
-                        return true;
-                    }
-                }
-            }
-        }
-        false
-    }
-
-    /// `roots` and all their live ancestors.
-    pub(crate) fn ancestors(&self, roots: &[NodeId]) -> std::collections::HashSet<NodeId> {
-        let reversed = Reversed(&self.dag);
-        let mut dfs = Dfs::empty(reversed);
-        let mut out = std::collections::HashSet::new();
-        for r in roots {
-            if let Some(&start) = self.index.get(r) {
-                dfs.move_to(start);
-                while let Some(n) = dfs.next(reversed) {
-                    out.insert(self.dag[n].0);
-                }
-            }
-        }
-        out
+        Analysis { dag }
     }
 
     /// The live DAG in Graphviz DOT; demanded nodes are drawn bold.

@@ -372,6 +372,40 @@ impl<J> Graph<J> {
         }
     }
 
+    /// `roots` and every live node they wait for, directly or not, by walking
+    /// the nodes' own dependency lists (no copy of the graph).
+    pub(crate) fn ancestors(&self, roots: &[NodeId]) -> std::collections::HashSet<NodeId> {
+        let mut seen = std::collections::HashSet::new();
+        let mut stack: SmallVec<[NodeId; 16]> = roots.iter().copied().collect();
+        while let Some(n) = stack.pop() {
+            let Some(node) = self.nodes.get(n) else {
+                continue;
+            };
+            if seen.insert(n) {
+                stack.extend(node.deps.iter().copied());
+            }
+        }
+        seen
+    }
+
+    /// Every live node.
+    pub(crate) fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes.keys()
+    }
+
+    /// The first of `nodes` that writes one of `vars`.
+    pub(crate) fn writer_among(
+        &self,
+        nodes: &std::collections::HashSet<NodeId>,
+        vars: &[VarId],
+    ) -> Option<NodeId> {
+        nodes.iter().copied().find(|&n| {
+            self.nodes
+                .get(n)
+                .is_some_and(|node| node.writes.iter().any(|w| vars.contains(w)))
+        })
+    }
+
     pub(crate) fn analysis(&self) -> Analysis {
         Analysis::new(
             self.nodes

@@ -13,12 +13,12 @@ pub(crate) mod sleep;
 
 use crate::engine::Shared;
 use crate::error::SharedError;
-use crate::graph::{NodeId, Outcome, Ready};
+use crate::graph::{NodeId, Outcome, Ready, VarId};
 use crate::sync::{Arc, Ordering};
 use crossbeam_deque::{Steal, Worker};
+use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::time::{Duration, Instant};
 
 /// What a node does when it runs, plus where to report how it ended.
 pub(crate) struct Task {
@@ -41,8 +41,44 @@ thread_local! {
     /// runs other tasks while it waits, so several can be suspended on one stack
     /// (for deadlock checks in blockers).
     static RUNNING: RefCell<Vec<NodeId>> = const { RefCell::new(Vec::new()) };
-    /// Nodes this worker ran whose completion is batched (see [`run_chain`]).
+    /// Vars this thread reads inside [`crate::Var::with`], with their engine:
+    /// a wait for a write to one of them could never end.
+    static BORROWED: RefCell<Vec<(u64, VarId)>> = const { RefCell::new(Vec::new()) };
+    /// A node this worker ran, until it is completed (see [`run_chain`]).
     static PENDING: RefCell<Vec<Finished>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Marks a Var as read by this thread until the guard is dropped.
+pub(crate) struct Borrow;
+
+impl Borrow {
+    pub(crate) fn new(engine: u64, var: VarId) -> Borrow {
+        BORROWED.with(|b| b.borrow_mut().push((engine, var)));
+        Borrow
+    }
+}
+
+impl Drop for Borrow {
+    fn drop(&mut self) {
+        BORROWED.with(|b| b.borrow_mut().pop());
+    }
+}
+
+/// The Vars of `engine` this thread is reading inside `Var::with`.
+pub(crate) fn borrowed_vars(engine: u64) -> SmallVec<[VarId; 2]> {
+    BORROWED.with(|b| {
+        b.borrow()
+            .iter()
+            .filter(|(e, _)| *e == engine)
+            .map(|(_, v)| *v)
+            .collect()
+    })
+}
+
+/// Whether the calling thread is a worker of any engine (where a drop must not
+/// block).
+pub(crate) fn on_any_worker() -> bool {
+    WORKER.with(|w| w.borrow().is_some())
 }
 
 /// Whether the calling thread is one of `engine`'s workers.
@@ -77,7 +113,7 @@ pub(crate) fn publish(shared: &Shared, work: Work) {
 }
 
 /// The body of a worker thread.
-pub(crate) fn worker_main(shared: Arc<Shared>, local: Worker<Work>) {
+pub(crate) fn worker_main(shared: std::sync::Arc<Shared>, local: Worker<Work>) {
     WORKER.with(|w| {
         *w.borrow_mut() = Some(WorkerCtx {
             engine: shared.id,
@@ -92,7 +128,20 @@ pub(crate) fn worker_main(shared: Arc<Shared>, local: Worker<Work>) {
             continue;
         }
         if shared.shutdown.load(Ordering::Acquire) {
-            break;
+            // The engine is retiring and was drained: exit, unless work came in.
+            let mut local = WORKER.with(|w| w.borrow_mut().take().map(|c| c.local));
+            if shared.retire_worker(&mut local) {
+                return;
+            }
+            if let Some(local) = local {
+                WORKER.with(|w| {
+                    *w.borrow_mut() = Some(WorkerCtx {
+                        engine: shared.id,
+                        local,
+                    })
+                });
+            }
+            continue;
         }
         // Spin briefly before parking: a frontend recording one node at a time
         // (Async mode) hands out work every few hundred nanoseconds, and a futex
@@ -111,7 +160,6 @@ pub(crate) fn worker_main(shared: Arc<Shared>, local: Worker<Work>) {
             .sleep(|| shared.has_queued_work() || shared.shutdown.load(Ordering::Acquire));
         idle_rounds = 0;
     }
-    WORKER.with(|w| w.borrow_mut().take());
 }
 
 /// Takes one piece of work: own deque first, then the injector, then the others.
@@ -150,96 +198,28 @@ pub(crate) fn find_work(shared: &Shared) -> Option<Work> {
     })
 }
 
-/// At most this many finished nodes wait for one completion under the lock.
-const BATCH: usize = 32;
-/// A batch of finished nodes is completed at the latest this long after the first
-/// of them finished, so that long tasks release their dependents at once.
-const BATCH_WINDOW: Duration = Duration::from_micros(20);
-
 /// A node that ran, waiting to be completed.
 pub(crate) type Finished = (NodeId, Outcome, Option<Arc<crate::task::TaskStatus>>);
 
 /// Runs `work` and completes it, and then the first dependent it releases, with
 /// no queue in between, so a chain stays on one thread.
 ///
-/// When the engine lock is busy at the moment a node finishes, its completion
-/// is deferred and the worker goes on with its own deque, completing the
-/// finished nodes together later: one lock acquisition per batch instead of per
-/// node, which is what keeps two workers running tiny independent nodes from
-/// spending their time handing the lock back and forth. A batch closes when it
-/// is full, when the deque is empty, or when the lock is free again, and it is
-/// not extended after [`BATCH_WINDOW`]. A node is thus only held back while other
-/// threads are busy in the engine, and never across a blocker (which completes
-/// this thread's batch before it waits).
+/// A finished node is completed before the worker starts anything else, waiting
+/// for the engine lock if another thread holds it. Completions used to be
+/// deferred while the lock was busy and batched with the next tasks from the
+/// worker's deque; that held a finished node back for as long as an unrelated
+/// long task ran after it, so a blocker on the node waited for that task (and
+/// deadlocked if the task waited for the blocker's caller).
 pub(crate) fn run_chain(shared: &Shared, mut work: Work) {
-    // When the current batch's first node finished; read lazily, so that the
-    // uncontended path pays no clock reads.
-    let mut opened: Option<Instant> = None;
     loop {
         let node = work.node;
         let (outcome, status) = execute(work);
-        let pending = PENDING.with(|p| {
-            let mut p = p.borrow_mut();
-            p.push((node, outcome, status));
-            p.len()
-        });
-        if pending < BATCH {
-            match try_complete_pending(shared) {
-                Some(Some(next)) => {
-                    opened = None;
-                    work = next;
-                    continue;
-                }
-                Some(None) => {
-                    opened = None;
-                    match pop_local(shared) {
-                        Some(more) => {
-                            work = more;
-                            continue;
-                        }
-                        None => return,
-                    }
-                }
-                // The lock is busy: keep the node in the batch and go on.
-                None => {
-                    if let Some(more) = pop_local(shared) {
-                        let opened_at = *opened.get_or_insert_with(Instant::now);
-                        if opened_at.elapsed() < BATCH_WINDOW {
-                            work = more;
-                            continue;
-                        }
-                        opened = None;
-                        if let Some(next) = complete_pending(shared) {
-                            publish(shared, next);
-                        }
-                        work = more;
-                        continue;
-                    }
-                }
-            }
-        }
-        opened = None;
+        PENDING.with(|p| p.borrow_mut().push((node, outcome, status)));
         match complete_pending(shared) {
             Some(next) => work = next,
             None => return,
         }
     }
-}
-
-/// [`complete_pending`] if the engine lock is free; `None` if it is busy.
-fn try_complete_pending(shared: &Shared) -> Option<Option<Work>> {
-    let mut batch = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
-    let result = shared.try_complete(&mut batch);
-    PENDING.with(|p| {
-        let mut p = p.borrow_mut();
-        if result.is_none() {
-            // Not completed: put the batch back (nothing was added meanwhile).
-            *p = batch;
-        } else if p.is_empty() {
-            *p = batch;
-        }
-    });
-    result
 }
 
 /// Runs `work` and completes it at once, then the dependents it releases for as
@@ -279,15 +259,6 @@ pub(crate) fn complete_pending(shared: &Shared) -> Option<Work> {
         }
     });
     next
-}
-
-/// Pops from this worker's own deque (never from other queues: stolen work would
-/// wait in this batch while its owner could have run it).
-fn pop_local(shared: &Shared) -> Option<Work> {
-    WORKER.with(|w| match &*w.borrow() {
-        Some(c) if c.engine == shared.id => c.local.pop(),
-        _ => None,
-    })
 }
 
 fn execute(work: Work) -> (Outcome, Option<Arc<crate::task::TaskStatus>>) {
