@@ -43,8 +43,11 @@ mod var;
 
 pub use benchmark::Benchmark;
 pub use device::Device;
+#[doc(hidden)]
+pub use device::GpuFault;
 pub use engine::{
-    Engine, EngineBuilder, Mode, Stats, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK,
+    Engine, EngineBuilder, Mode, Stats, DEFAULT_GPU_TIMEOUT, DEFAULT_HIGH_WATERMARK,
+    DEFAULT_LOW_WATERMARK,
 };
 pub use error::{Error, Location, Result};
 pub use task::{TaskBuilder, TaskHandle};

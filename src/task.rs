@@ -181,6 +181,7 @@ impl<'e> TaskBuilder<'e> {
         self.record(Task {
             run: Box::new(move || f().map_err(|e| e.to_string())),
             status: Some(status.clone()),
+            op: None,
         })?;
         let handle = TaskHandle { engine, status };
         if handle.engine.mode() == Mode::Sync {
@@ -200,6 +201,7 @@ impl<'e> TaskBuilder<'e> {
                 Ok(())
             }),
             status: None,
+            op: None,
         })
     }
 
@@ -211,11 +213,13 @@ impl<'e> TaskBuilder<'e> {
         self.record(Task {
             run: Box::new(f),
             status: None,
+            op: None,
         })
     }
 
     #[inline]
-    fn record(self, task: Task) -> Result<()> {
+    fn record(self, mut task: Task) -> Result<()> {
+        task.op = Some((self.meta.name, self.meta.location));
         if self.mismatch {
             return Err(Error::EngineMismatch {
                 op: self.meta.name,

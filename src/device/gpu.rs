@@ -17,9 +17,93 @@
 //! Data only enters a device through a staging buffer copied inside the batch, so
 //! an upload is ordered with the dispatches around it (`Queue::write_buffer` would
 //! land before the whole next submission).
+//!
+//! ## Failures after a node completed
+//! Since a node completes when it is encoded, a failure that comes later (a fusion
+//! group that cannot be encoded, a command buffer that fails to finish or submit,
+//! the device lost or hung) cannot fail the node in the graph any more. So every
+//! GPU buffer carries a [`Stamp`]: which op wrote it, and the [`Fate`]s of the
+//! batches (or the fusion group) its value was made in, its inputs' included. A
+//! failed batch sets its fate, which poisons every value written in it and every
+//! value computed from them; a readback, a copy to another device or
+//! `wait_to_read` of such a value returns the failure naming the op that wrote
+//! it, and `wait_all` returns every batch failure since the last one. A buffer that
+//! no kernel wrote is never read back. Only the fates of batches that are still
+//! open or that failed are kept in stamps (a submitted batch can fail only with
+//! its device, which is checked separately), so stamps stay small.
+//!
+//! A lost device (wgpu's device-lost callback, or a wait longer than the
+//! engine's GPU timeout) fails every later node, readback and wait on it; the
+//! other devices go on.
 
+use crate::error::Location;
+use smallvec::SmallVec;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+/// What became of one command buffer, or of one fusion group until it is
+/// encoded into one.
+#[derive(Default)]
+pub(crate) struct Fate {
+    failed: OnceLock<String>,
+    /// Submitted without error: from then on only the loss of the device can
+    /// fail it.
+    submitted: AtomicBool,
+}
+
+impl Fate {
+    pub(crate) fn new() -> Arc<Fate> {
+        Arc::new(Fate::default())
+    }
+
+    /// Fails everything written under this fate (the first reason is kept).
+    pub(crate) fn fail(&self, message: String) {
+        let _ = self.failed.set(message);
+    }
+
+    /// Nothing can fail this fate any more by itself (a fusion group encoded
+    /// into a batch, whose own fate its outputs now carry).
+    pub(crate) fn settle(&self) {
+        self.submitted.store(true, Ordering::Release);
+    }
+
+    fn settled_ok(&self) -> bool {
+        // Acquire: pairs with the Release store after a successful submit.
+        self.failed.get().is_none() && self.submitted.load(Ordering::Acquire)
+    }
+}
+
+/// Who wrote a buffer, and the fates its value depends on.
+struct Stamp {
+    op: &'static str,
+    location: Location,
+    fates: SmallVec<[Arc<Fate>; 2]>,
+}
+
+/// Fates a value depends on that may still fail or have failed.
+pub(crate) type Lineage = SmallVec<[Arc<Fate>; 2]>;
+
+/// A failure injected by tests at one point of a GPU device (see
+/// [`crate::Engine::inject_gpu_fault`]). Each fires once.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GpuFault {
+    /// The next upload (of data or of a kernel's info buffer) fails.
+    Upload,
+    /// The next pipeline lookup or creation fails.
+    Pipeline,
+    /// The next submission of a command buffer fails.
+    Submit,
+    /// The device is lost now (`wgpu::Device::destroy`).
+    Lose,
+    /// The next wait for the device does not end within the GPU timeout (a
+    /// software GPU such as lavapipe runs a submission before `submit`
+    /// returns, so a real hung kernel cannot be made there).
+    Hang,
+}
 
 /// Dispatches per submitted command buffer at most.
 const BATCH_LIMIT: usize = 64;
@@ -152,6 +236,8 @@ impl Pool {
 /// back to the pool when dropped.
 pub(crate) struct GpuBuffer {
     buffer: Option<wgpu::Buffer>,
+    /// Set when a kernel, copy or upload writes the buffer.
+    stamp: Mutex<Option<Stamp>>,
     /// The bytes in use (bindings cover exactly these).
     bytes: u64,
     class: u64,
@@ -167,6 +253,44 @@ impl std::fmt::Debug for GpuBuffer {
 impl GpuBuffer {
     fn raw(&self) -> &wgpu::Buffer {
         self.buffer.as_ref().expect("present until dropped")
+    }
+
+    /// Adds the fates this value depends on that are open or failed.
+    pub(crate) fn lineage_into(&self, out: &mut Lineage) {
+        if let Some(stamp) = &*lock(&self.stamp) {
+            for f in &stamp.fates {
+                if !f.settled_ok() && !out.iter().any(|o| Arc::ptr_eq(o, f)) {
+                    out.push(f.clone());
+                }
+            }
+        }
+    }
+
+    /// Records that the op running on this thread wrote this buffer under
+    /// `fates`.
+    pub(crate) fn stamp(&self, fates: Lineage) {
+        let (op, location) = crate::sched::current_op().unwrap_or(("<gpu>", Location::caller()));
+        *lock(&self.stamp) = Some(Stamp {
+            op,
+            location,
+            fates,
+        });
+    }
+
+    /// `Err` naming the op that wrote this value if a batch it was made in
+    /// failed, or if nothing ever wrote it (its contents would be whatever the
+    /// pooled buffer held).
+    pub(crate) fn check(&self) -> Result<(), String> {
+        match &*lock(&self.stamp) {
+            None => Err("the GPU buffer was never written (its producer did not run)".into()),
+            Some(stamp) => match stamp.fates.iter().find_map(|f| f.failed.get()) {
+                Some(message) => Err(format!(
+                    "{} (recorded at {}) wrote this value in a GPU batch that failed: {message}",
+                    stamp.op, stamp.location
+                )),
+                None => Ok(()),
+            },
+        }
     }
 
     fn binding(&self) -> wgpu::BindingResource<'_> {
@@ -200,8 +324,8 @@ impl Drop for Pending {
             .fetch_sub(1, std::sync::atomic::Ordering::AcqRel)
             == 1
         {
-            // A failure to submit surfaces at the next readback or wait_all,
-            // which submit again and report it.
+            // A failure to submit is kept in the batch's fate, which poisons
+            // every value written in it; `wait_all` reports it too.
             let _ = self.0.flush();
         }
     }
@@ -210,6 +334,8 @@ impl Drop for Pending {
 struct Batch {
     encoder: Option<wgpu::CommandEncoder>,
     dispatches: usize,
+    /// The fate of what is encoded into `encoder`.
+    fate: Arc<Fate>,
 }
 
 /// One logical GPU device.
@@ -231,6 +357,16 @@ pub(crate) struct Gpu {
     /// The open group of fused elementwise ops. Lock order: `fuser`, then `batch`.
     fuser: Mutex<crate::tensor::fusion::Fuser>,
     max_storage_buffers: usize,
+    /// Largest workgroup count of one dispatch dimension.
+    max_workgroups: u32,
+    /// Why the device is lost, once it is (shared with wgpu's callback).
+    lost: Arc<OnceLock<String>>,
+    /// How long a wait for the device may take before it counts as hung.
+    timeout: Duration,
+    /// Batch failures not yet reported by `wait_all`.
+    failures: Mutex<Vec<String>>,
+    /// A failure injected by a test.
+    fault: Mutex<Option<GpuFault>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -272,7 +408,12 @@ pub(crate) fn parse_backends(s: &str) -> Result<wgpu::Backends, String> {
 /// Opens `logical` devices on every adapter of `backends`. An adapter seen
 /// through several backends (lavapipe as Vulkan and as GL) is kept once, the
 /// first of Vulkan, Metal, DX12, GL. Adapters that fail to open are skipped.
-pub(crate) fn discover(backends: wgpu::Backends, logical: usize, fusion: bool) -> Vec<Arc<Gpu>> {
+pub(crate) fn discover(
+    backends: wgpu::Backends,
+    logical: usize,
+    fusion: bool,
+    timeout: Duration,
+) -> Vec<Arc<Gpu>> {
     if backends.is_empty() || logical == 0 {
         return Vec::new();
     }
@@ -313,7 +454,7 @@ pub(crate) fn discover(backends: wgpu::Backends, logical: usize, fusion: bool) -
         }
         seen.push(key);
         for l in 0..logical {
-            if let Ok(gpu) = Gpu::open(&adapter, l, fusion) {
+            if let Ok(gpu) = Gpu::open(&adapter, l, fusion, timeout) {
                 gpus.push(Arc::new(gpu));
             }
         }
@@ -322,7 +463,12 @@ pub(crate) fn discover(backends: wgpu::Backends, logical: usize, fusion: bool) -
 }
 
 impl Gpu {
-    fn open(adapter: &wgpu::Adapter, logical: usize, fusion: bool) -> Result<Gpu, String> {
+    fn open(
+        adapter: &wgpu::Adapter,
+        logical: usize,
+        fusion: bool,
+        timeout: Duration,
+    ) -> Result<Gpu, String> {
         let ai = adapter.get_info();
         let limits = adapter.limits();
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
@@ -335,6 +481,11 @@ impl Gpu {
         device.on_uncaptured_error(Arc::new(|e: wgpu::Error| {
             eprintln!("lazyflow: uncaptured GPU error: {e}");
         }));
+        let lost = Arc::new(OnceLock::new());
+        let on_lost = lost.clone();
+        device.set_device_lost_callback(move |reason, message| {
+            let _ = on_lost.set(format!("the device was lost ({reason:?}): {message}"));
+        });
         let device_type = match ai.device_type {
             wgpu::DeviceType::DiscreteGpu => "discrete",
             wgpu::DeviceType::IntegratedGpu => "integrated",
@@ -354,6 +505,7 @@ impl Gpu {
             batch: Mutex::new(Batch {
                 encoder: None,
                 dispatches: 0,
+                fate: Fate::new(),
             }),
             pipelines: Mutex::new(HashMap::new()),
             max_binding: limits
@@ -367,6 +519,11 @@ impl Gpu {
             fusion,
             fuser: Mutex::new(Default::default()),
             max_storage_buffers: limits.max_storage_buffers_per_shader_stage as usize,
+            max_workgroups: limits.max_compute_workgroups_per_dimension,
+            lost,
+            timeout,
+            failures: Mutex::new(Vec::new()),
+            fault: Mutex::new(None),
         })
     }
 
@@ -416,6 +573,7 @@ impl Gpu {
     /// A storage buffer for `n` floats, from the pool when one of its size class
     /// is free (its contents are undefined until a kernel or a copy writes them).
     pub(crate) fn alloc(&self, n: usize) -> Result<GpuBuffer, String> {
+        self.check_lost()?;
         let bytes = (n.max(1) * 4) as u64;
         if bytes > self.max_binding {
             return Err(format!(
@@ -443,6 +601,7 @@ impl Gpu {
         };
         Ok(GpuBuffer {
             buffer: Some(buffer),
+            stamp: Mutex::new(None),
             bytes,
             class,
             pool: self.pool.clone(),
@@ -451,8 +610,10 @@ impl Gpu {
 
     /// A new buffer holding `data`, copied in through the open batch.
     pub(crate) fn upload(&self, data: &[f32]) -> Result<GpuBuffer, String> {
+        self.injected(GpuFault::Upload)?;
         let out = self.alloc(data.len())?;
         if data.is_empty() {
+            out.stamp(Lineage::new());
             return Ok(out);
         }
         let bytes: &[u8] = bytemuck::cast_slice(data);
@@ -476,16 +637,20 @@ impl Gpu {
         let mut batch = lock(&self.batch);
         let encoder = self.encoder(&mut batch);
         encoder.copy_buffer_to_buffer(&staging, 0, out.raw(), 0, bytes.len() as u64);
+        out.stamp(SmallVec::from_elem(batch.fate.clone(), 1));
         Ok(out)
     }
 
     /// Copies `n` floats out of `buffer`: submits the open batch (which holds
     /// every write to it) and waits for the copy.
     pub(crate) fn read(&self, buffer: &GpuBuffer, n: usize) -> Result<Vec<f32>, String> {
+        self.check_lost()?;
         if n == 0 {
             return Ok(Vec::new());
         }
         self.encode_fused()?;
+        // Before the wait too: a value known to be bad is not worth waiting for.
+        buffer.check()?;
         let size = (n * 4) as u64;
         let staging = self.scoped(|| {
             self.device.create_buffer(&wgpu::BufferDescriptor {
@@ -505,13 +670,11 @@ impl Gpu {
         staging.map_async(wgpu::MapMode::Read, .., move |r| {
             let _ = tx.send(r);
         });
-        self.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: index,
-                timeout: None,
-            })
-            .map_err(|e| e.to_string())?;
-        match rx.recv() {
+        self.wait(index)?;
+        // The submission (and every earlier one) finished: the value's fates
+        // are final.
+        buffer.check()?;
+        match rx.recv_timeout(self.timeout) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(e.to_string()),
             Err(_) => return Err("readback was never mapped".to_string()),
@@ -550,12 +713,17 @@ impl Gpu {
         inputs: Vec<crate::tensor::fusion::Input>,
         out: crate::var::Write<crate::tensor::Data>,
     ) -> Result<(), String> {
+        self.check_lost()?;
         lock(&self.fuser).push(self, dims, op, inputs, out)
     }
 
     /// Encodes the open fusion group, so that what follows is ordered after it.
+    /// A group that fails to encode fails its own outputs (through its fate),
+    /// not the node that happened to trigger the encoding; this returns `Err`
+    /// only when the device is lost.
     pub(crate) fn encode_fused(&self) -> Result<(), String> {
-        lock(&self.fuser).encode(self)
+        lock(&self.fuser).encode(self);
+        self.check_lost()
     }
 
     /// [`Gpu::dispatch`] without encoding the fusion group first (called by the
@@ -568,9 +736,50 @@ impl Gpu {
         info: &[u32],
         grid: Grid,
     ) -> Result<(), String> {
+        // Where each op kernel writes (see `shaders/`); user kernels say.
+        let writes: SmallVec<[usize; 4]> = match kernel {
+            Kernel::Inplace | Kernel::InplaceMap => SmallVec::from_elem(0, 1),
+            Kernel::User => (0..buffers.len()).collect(),
+            _ => (buffers.len().saturating_sub(1)..buffers.len()).collect(),
+        };
+        self.dispatch_writing(kernel, spec, buffers, &writes, info, grid)
+    }
+
+    /// Encodes one kernel that writes `buffers[writes]` (and reads the rest).
+    /// The outputs are stamped with the batch they were encoded into and the
+    /// open or failed fates of every bound buffer.
+    pub(crate) fn dispatch_writing(
+        &self,
+        kernel: Kernel,
+        spec: &str,
+        buffers: &[&GpuBuffer],
+        writes: &[usize],
+        info: &[u32],
+        grid: Grid,
+    ) -> Result<(), String> {
+        self.check_lost()?;
+        let mut lineage = Lineage::new();
+        for (i, b) in buffers.iter().enumerate() {
+            // An overwrite (`fill_`) does not depend on the old value.
+            let overwrite = kernel == Kernel::InplaceMap && spec == "s";
+            if !(overwrite && writes.contains(&i)) {
+                b.lineage_into(&mut lineage);
+            }
+        }
         let Some((gx, gy, gz)) = grid.counts() else {
+            for &w in writes {
+                buffers[w].stamp(lineage.clone());
+            }
             return Ok(());
         };
+        // An over-limit dispatch would invalidate the whole command buffer at
+        // `finish`, failing every node encoded with it: refuse it here.
+        if gx.max(gy).max(gz) > self.max_workgroups {
+            return Err(format!(
+                "{gx} x {gy} x {gz} workgroups exceed the device's limit of {} per dimension",
+                self.max_workgroups
+            ));
+        }
         let pipeline = self.pipeline(kernel, spec)?;
         // No info binding when there is no info (user kernels).
         let info = if info.is_empty() {
@@ -578,6 +787,11 @@ impl Gpu {
         } else {
             Some(self.upload(bytemuck::cast_slice(info))?)
         };
+        // The upload may land in a batch that is submitted (and fails) before
+        // the dispatch is encoded into the next one.
+        if let Some(info) = &info {
+            info.lineage_into(&mut lineage);
+        }
         let layout = self.scoped(|| pipeline.get_bind_group_layout(0))?;
         let entries: Vec<wgpu::BindGroupEntry> = buffers
             .iter()
@@ -604,6 +818,12 @@ impl Gpu {
             pass.set_bind_group(0, &bind_group, &[]);
             pass.dispatch_workgroups(gx, gy, gz);
         }
+        if !lineage.iter().any(|f| Arc::ptr_eq(f, &batch.fate)) {
+            lineage.push(batch.fate.clone());
+        }
+        for &w in writes {
+            buffers[w].stamp(lineage.clone());
+        }
         batch.dispatches += 1;
         self.dispatched
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -615,17 +835,24 @@ impl Gpu {
 
     /// Copies `size` bytes between buffers, in order with the batch.
     pub(crate) fn copy(&self, src: &GpuBuffer, dst: &GpuBuffer, size: u64) -> Result<(), String> {
+        self.check_lost()?;
+        let mut lineage = Lineage::new();
+        src.lineage_into(&mut lineage);
         if size == 0 {
+            dst.stamp(lineage);
             return Ok(());
         }
         self.encode_fused()?;
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch)
             .copy_buffer_to_buffer(src.raw(), 0, dst.raw(), 0, size);
+        lineage.push(batch.fate.clone());
+        dst.stamp(lineage);
         Ok(())
     }
 
     fn pipeline(&self, kernel: Kernel, spec: &str) -> Result<wgpu::ComputePipeline, String> {
+        self.injected(GpuFault::Pipeline)?;
         let key = (kernel, spec.to_string());
         if let Some(p) = lock(&self.pipelines).get(&key) {
             return Ok(p.clone());
@@ -666,8 +893,24 @@ impl Gpu {
         let Some(encoder) = batch.encoder.take() else {
             return Ok(None);
         };
-        let index = self.scoped(|| self.queue.submit([encoder.finish()]))?;
-        Ok(Some(index))
+        let fate = std::mem::replace(&mut batch.fate, Fate::new());
+        let submitted = self.check_lost().and_then(|()| {
+            self.injected(GpuFault::Submit)?;
+            self.scoped(|| self.queue.submit([encoder.finish()]))
+        });
+        match submitted {
+            Ok(index) => {
+                // Release: pairs with the Acquire in `Fate::settled_ok`.
+                fate.submitted.store(true, Ordering::Release);
+                Ok(Some(index))
+            }
+            Err(e) => {
+                let message = format!("submitting a command buffer failed: {e}");
+                fate.fail(message.clone());
+                self.note_failure(message.clone());
+                Err(message)
+            }
+        }
     }
 
     /// Submits the open batch, if any, so that its work starts.
@@ -676,16 +919,84 @@ impl Gpu {
         self.submit_locked(&mut lock(&self.batch)).map(|_| ())
     }
 
-    /// Submits the open batch and waits until the device has finished everything.
+    /// Submits the open batch and waits until the device has finished
+    /// everything. A failed submission is not an error here: it is in the
+    /// fates of the values written in it, and in [`Gpu::take_failures`].
     pub(crate) fn synchronize(&self) -> Result<(), String> {
         self.encode_fused()?;
-        let index = self.submit_locked(&mut lock(&self.batch))?;
-        self.device
-            .poll(wgpu::PollType::Wait {
+        if let Ok(index) = self.submit_locked(&mut lock(&self.batch)) {
+            self.wait(index)?;
+        }
+        self.check_lost()
+    }
+
+    /// The batch failures since the last call (for `wait_all`).
+    pub(crate) fn take_failures(&self) -> Result<(), String> {
+        let failures = std::mem::take(&mut *lock(&self.failures));
+        match failures.len() {
+            0 => Ok(()),
+            1 => Err(failures.into_iter().next().unwrap_or_default()),
+            n => Err(format!("{n} GPU batches failed: {}", failures.join("; "))),
+        }
+    }
+
+    /// Waits for a submission (all of them with `None`), at most the engine's
+    /// GPU timeout; a device that takes longer counts as lost.
+    fn wait(&self, index: Option<wgpu::SubmissionIndex>) -> Result<(), String> {
+        self.check_lost()?;
+        let polled = match self.injected(GpuFault::Hang) {
+            Err(_) => Err(wgpu::PollError::Timeout),
+            Ok(()) => self.device.poll(wgpu::PollType::Wait {
                 submission_index: index,
-                timeout: None,
-            })
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+                timeout: Some(self.timeout),
+            }),
+        };
+        match polled {
+            Ok(_) => self.check_lost(),
+            Err(wgpu::PollError::Timeout) => {
+                let message = format!(
+                    "the device did not finish its work within {:?} (the engine's GPU timeout); it is treated as lost",
+                    self.timeout
+                );
+                let _ = self.lost.set(message.clone());
+                Err(message)
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// `Err` once the device is lost (nothing on it can be trusted or waited for).
+    pub(crate) fn check_lost(&self) -> Result<(), String> {
+        match self.lost.get() {
+            Some(why) => Err(format!("{}: {why}", self.info.name)),
+            None => Ok(()),
+        }
+    }
+
+    /// Keeps a batch failure for the next `wait_all`.
+    pub(crate) fn note_failure(&self, message: String) {
+        lock(&self.failures).push(message);
+    }
+
+    /// Arms a failure injected by a test.
+    pub(crate) fn inject(&self, fault: GpuFault) {
+        if fault == GpuFault::Lose {
+            let _ = self
+                .lost
+                .set("the device was lost (destroyed by an injected fault)".to_string());
+            self.device.destroy();
+            return;
+        }
+        *lock(&self.fault) = Some(fault);
+    }
+
+    /// `Err` if `point` is the armed injected failure (which it disarms).
+    fn injected(&self, point: GpuFault) -> Result<(), String> {
+        let mut fault = lock(&self.fault);
+        if *fault == Some(point) {
+            *fault = None;
+            return Err(format!("injected {point:?} failure"));
+        }
+        Ok(())
     }
 }

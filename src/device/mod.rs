@@ -3,6 +3,8 @@
 
 pub(crate) mod gpu;
 
+#[doc(hidden)]
+pub use gpu::GpuFault;
 pub use gpu::GpuInfo;
 
 use std::fmt;

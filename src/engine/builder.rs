@@ -30,6 +30,11 @@ impl std::str::FromStr for Mode {
     }
 }
 
+/// Default GPU timeout: long enough for the largest product the benchmarks run
+/// on a software GPU (a 4096 x 4096 matmul takes about 20 s on lavapipe on two
+/// cores), short enough to turn a hung kernel into an error.
+pub const DEFAULT_GPU_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// Default backpressure high mark (recorded, unfinished nodes).
 pub const DEFAULT_HIGH_WATERMARK: usize = 16_384;
 
@@ -65,6 +70,7 @@ pub struct EngineBuilder {
     logical_devices: Option<usize>,
     fusion: Option<bool>,
     cpu_threads: Option<usize>,
+    gpu_timeout: Option<std::time::Duration>,
     ignore_env: bool,
 }
 
@@ -136,6 +142,23 @@ impl EngineBuilder {
         self
     }
 
+    /// How long a wait for a GPU (a readback, `wait_all`) may take before the
+    /// device counts as hung: the wait returns an error and the device is treated
+    /// as lost (every later node, readback and wait on it fails at once; other
+    /// devices go on). Default [`DEFAULT_GPU_TIMEOUT`]; also
+    /// `LAZYFLOW_GPU_TIMEOUT_MS`.
+    ///
+    /// ```
+    /// use lazyflow::Engine;
+    /// use std::time::Duration;
+    /// let engine = Engine::builder().gpu_timeout(Duration::from_secs(10)).build().unwrap();
+    /// # drop(engine);
+    /// ```
+    pub fn gpu_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.gpu_timeout = Some(timeout);
+        self
+    }
+
     /// Turns backpressure off: the frontend may run arbitrarily far ahead.
     pub fn unbounded(mut self) -> Self {
         self.watermarks = Some((usize::MAX, usize::MAX));
@@ -203,6 +226,21 @@ impl EngineBuilder {
             },
             (None, None) => true,
         };
+        let gpu_timeout = match (self.gpu_timeout, env("LAZYFLOW_GPU_TIMEOUT_MS")) {
+            (Some(t), _) => t,
+            (None, Some(v)) => match v.trim().parse::<u64>() {
+                Ok(ms) => std::time::Duration::from_millis(ms),
+                Err(_) => {
+                    return Err(Error::Config(format!(
+                        "LAZYFLOW_GPU_TIMEOUT_MS={v:?}: expected milliseconds"
+                    )))
+                }
+            },
+            (None, None) => DEFAULT_GPU_TIMEOUT,
+        };
+        if gpu_timeout.is_zero() {
+            return Err(Error::Config("the GPU timeout must be positive".into()));
+        }
         Engine::start(Config {
             mode,
             workers,
@@ -212,6 +250,7 @@ impl EngineBuilder {
             logical_devices,
             fusion,
             cpu_threads,
+            gpu_timeout,
         })
     }
 }

@@ -12,7 +12,9 @@ mod builder;
 mod inbox;
 mod stats;
 
-pub use builder::{EngineBuilder, Mode, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK};
+pub use builder::{
+    EngineBuilder, Mode, DEFAULT_GPU_TIMEOUT, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK,
+};
 pub use stats::Stats;
 pub(crate) use stats::{Counters, Tally};
 
@@ -97,6 +99,8 @@ pub(crate) struct Config {
     pub(crate) fusion: bool,
     /// Threads one CPU kernel may use.
     pub(crate) cpu_threads: usize,
+    /// How long a wait for a GPU may take before the device counts as lost.
+    pub(crate) gpu_timeout: Duration,
 }
 
 /// What the lock protects.
@@ -282,21 +286,32 @@ impl Engine {
     }
 
     /// The global barrier: demands every recorded node and waits until none is left
-    /// unfinished. Failures are not reported here but by blockers on the values
-    /// they poisoned. Called inside a task it returns [`Error::WouldDeadlock`],
+    /// unfinished, including the work queued on every GPU. Failures of nodes are
+    /// reported by blockers on the values they poisoned, not here; GPU batches
+    /// that failed since the last call, and lost GPU devices, are reported here
+    /// too (after waiting for every device). Called inside a task it returns [`Error::WouldDeadlock`],
     /// since that task itself is unfinished.
     pub fn wait_all(&self) -> Result<()> {
         self.counters().blocker(false);
         self.shared().wait_all()?;
-        // GPU nodes complete when encoded: wait for the devices too.
-        for gpu in self.shared().opened_gpus() {
-            gpu.synchronize().map_err(|message| Error::Failed {
+        // GPU nodes complete when encoded: wait for every device too (all of
+        // them, even after one failed), and report the batch failures since the
+        // last call and any lost device.
+        let mut failures = Vec::new();
+        for (i, gpu) in self.shared().opened_gpus().iter().enumerate() {
+            if let Err(message) = gpu.synchronize().and_then(|()| gpu.take_failures()) {
+                failures.push(format!("gpu:{i} ({}): {message}", gpu.info.name));
+            }
+        }
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Failed {
                 op: "wait_all".to_string(),
                 location: Location::caller(),
-                message: format!("{}: {message}", gpu.info.name),
-            })?;
+                message: failures.join("; "),
+            })
         }
-        Ok(())
     }
 
     /// Every device of this engine: the CPU first, then one per GPU adapter found
@@ -337,6 +352,22 @@ impl Engine {
                 g.dispatched.load(std::sync::atomic::Ordering::Relaxed)
             }),
             Device::Cpu => 0,
+        }
+    }
+
+    /// Arms a failure at one point of a GPU device, for tests of how failures
+    /// reach values (see `device/gpu.rs`). Not part of the stable API.
+    #[doc(hidden)]
+    pub fn inject_gpu_fault(&self, device: Device, fault: crate::device::gpu::GpuFault) -> bool {
+        match device {
+            Device::Gpu(i) => match self.gpu(i) {
+                Some(g) => {
+                    g.inject(fault);
+                    true
+                }
+                None => false,
+            },
+            Device::Cpu => false,
         }
     }
 
@@ -610,6 +641,7 @@ impl Shared {
                 self.config.backends,
                 self.config.logical_devices,
                 self.config.fusion,
+                self.config.gpu_timeout,
             )
         })
     }

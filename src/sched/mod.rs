@@ -12,7 +12,7 @@
 pub(crate) mod sleep;
 
 use crate::engine::Shared;
-use crate::error::SharedError;
+use crate::error::{Location, SharedError};
 use crate::graph::{NodeId, Outcome, Ready, VarId};
 use crate::sync::{Arc, Ordering};
 use crossbeam_deque::{Steal, Worker};
@@ -24,6 +24,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 pub(crate) struct Task {
     pub(crate) run: Box<dyn FnOnce() -> Result<(), String> + Send>,
     pub(crate) status: Option<Arc<crate::task::TaskStatus>>,
+    /// The op's name and where it was recorded, for what it writes (GPU
+    /// buffers name their writer in later errors).
+    pub(crate) op: Option<(&'static str, Location)>,
 }
 
 /// A ready node on its way to a worker.
@@ -37,6 +40,8 @@ struct WorkerCtx {
 thread_local! {
     /// Set on worker threads for their whole life.
     static WORKER: RefCell<Option<WorkerCtx>> = const { RefCell::new(None) };
+    /// The op of the innermost task running on this thread.
+    static CURRENT_OP: std::cell::Cell<Option<(&'static str, Location)>> = const { std::cell::Cell::new(None) };
     /// The nodes this thread is running, innermost last: a blocker inside a task
     /// runs other tasks while it waits, so several can be suspended on one stack
     /// (for deadlock checks in blockers).
@@ -85,6 +90,11 @@ pub(crate) fn on_any_worker() -> bool {
 #[inline]
 pub(crate) fn on_worker_of(engine: u64) -> bool {
     WORKER.with(|w| matches!(&*w.borrow(), Some(c) if c.engine == engine))
+}
+
+/// The name and record site of the op running on this thread, if any.
+pub(crate) fn current_op() -> Option<(&'static str, Location)> {
+    CURRENT_OP.with(|c| c.get())
 }
 
 /// The node the calling thread is running, if it is inside a task.
@@ -263,7 +273,7 @@ pub(crate) fn complete_pending(shared: &Shared) -> Option<Work> {
 
 fn execute(work: Work) -> (Outcome, Option<Arc<crate::task::TaskStatus>>) {
     let Ready { node, job, skip } = work;
-    let Task { run, status } = job;
+    let Task { run, status, op } = job;
     if let Some(err) = skip {
         // The closure's captures are dropped without running it; a panicking
         // Drop must not take the worker down with it.
@@ -271,7 +281,9 @@ fn execute(work: Work) -> (Outcome, Option<Arc<crate::task::TaskStatus>>) {
         return (Outcome::Skipped(err), status);
     }
     RUNNING.with(|r| r.borrow_mut().push(node));
+    let outer = CURRENT_OP.with(|c| c.replace(op));
     let result = catch_unwind(AssertUnwindSafe(run));
+    CURRENT_OP.with(|c| c.set(outer));
     RUNNING.with(|r| r.borrow_mut().pop());
     let outcome = match result {
         Ok(Ok(())) => Outcome::Done,

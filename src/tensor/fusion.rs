@@ -12,12 +12,16 @@
 //! So a chain `x = x + 1` repeated n times becomes one kernel with one output, and
 //! results nobody keeps are never written.
 //!
+//! Every output joins the group's fate when its op joins (see `device/gpu.rs`):
+//! if the group cannot be encoded, that fate fails and so does every value the
+//! group would have written, whichever node triggered the encoding.
+//!
 //! Generated kernels are cached by their source, which depends only on the
 //! structure of the group (shapes, strides and scalars live in the info buffer).
 
 use super::kernels::{BinaryOp, UnaryOp};
 use super::Data;
-use crate::device::gpu::{Gpu, GpuBuffer, Grid, Kernel};
+use crate::device::gpu::{Fate, Gpu, GpuBuffer, Grid, Kernel, Lineage};
 use crate::var::{Read, Write};
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -65,6 +69,8 @@ struct Group {
     leaf_ids: HashMap<usize, usize>,
     /// Output data id -> op index.
     outputs: HashMap<usize, usize>,
+    /// Fails every output if the group cannot be encoded.
+    fate: std::sync::Arc<Fate>,
 }
 
 /// The open group of one device.
@@ -112,7 +118,7 @@ impl Fuser {
                 && g.leaves.len() + g.ops.len() + inputs.len() + 2 <= gpu.max_bindings()
         });
         if !fits {
-            self.encode(gpu)?;
+            self.encode(gpu);
         }
         let group = self.group.get_or_insert_with(|| Group {
             dims: dims.to_vec(),
@@ -120,12 +126,19 @@ impl Fuser {
             leaves: Vec::new(),
             leaf_ids: HashMap::new(),
             outputs: HashMap::new(),
+            fate: Fate::new(),
         });
+        // The output's value depends on the group and on its tensor inputs.
+        let mut lineage = Lineage::new();
+        lineage.push(group.fate.clone());
         let mut args = Vec::with_capacity(inputs.len());
         for input in inputs {
             args.push(match input {
                 Input::Scalar(s) => Arg::Scalar(s),
                 Input::Tensor(token, shape) => {
+                    if let Ok(b) = token.read().gpu() {
+                        b.lineage_into(&mut lineage);
+                    }
                     let id = token.data_id();
                     if let Some(&j) = group.outputs.get(&id) {
                         Arg::Value(j)
@@ -147,40 +160,64 @@ impl Fuser {
                 }
             });
         }
+        if let Ok(b) = out.read().gpu() {
+            b.stamp(lineage);
+        }
         group.outputs.insert(out.data_id(), group.ops.len());
         group.ops.push(Op { op, args, out });
         Ok(())
     }
 
     /// Encodes the open group as one kernel (nothing if it is empty or writes
-    /// nothing anyone can read).
-    pub(crate) fn encode(&mut self, gpu: &Gpu) -> Result<(), String> {
+    /// nothing anyone can read). A failure fails the group's fate, and with it
+    /// every value the group writes.
+    pub(crate) fn encode(&mut self, gpu: &Gpu) {
         let Some(group) = self.group.take() else {
-            return Ok(());
+            return;
         };
-        let n: usize = group.dims.iter().product();
-        // A value is written if anything outside the group can still read it: a
-        // handle or a token besides the group's own write token (readers inside
-        // the group gave theirs up when they joined).
-        let written: Vec<bool> = group.ops.iter().map(|op| op.out.reach() > 1).collect();
-        if n == 0 || !written.iter().any(|w| *w) {
-            return Ok(());
+        match encode_group(gpu, &group) {
+            // Its outputs now depend on the batch it went into.
+            Ok(()) => group.fate.settle(),
+            Err(e) => {
+                let message = format!("encoding a fused kernel failed: {e}");
+                group.fate.fail(message.clone());
+                gpu.note_failure(message);
+            }
         }
-        let (source, info) = generate(&group, &written);
-        let leaf_guards: Vec<_> = group.leaves.iter().map(|l| l.read()).collect();
-        let out_guards: Vec<_> = group
-            .ops
-            .iter()
-            .zip(&written)
-            .filter(|(_, w)| **w)
-            .map(|(op, _)| op.out.read())
-            .collect();
-        let mut buffers: Vec<&GpuBuffer> = Vec::with_capacity(leaf_guards.len() + out_guards.len());
-        for g in leaf_guards.iter().chain(out_guards.iter()) {
-            buffers.push(g.gpu()?);
-        }
-        gpu.dispatch_unfused(Kernel::User, &source, &buffers, &info, Grid::Elements(n))
     }
+}
+
+fn encode_group(gpu: &Gpu, group: &Group) -> Result<(), String> {
+    let n: usize = group.dims.iter().product();
+    // A value is written if anything outside the group can still read it: a
+    // handle or a token besides the group's own write token (readers inside
+    // the group gave theirs up when they joined).
+    let written: Vec<bool> = group.ops.iter().map(|op| op.out.reach() > 1).collect();
+    if n == 0 || !written.iter().any(|w| *w) {
+        return Ok(());
+    }
+    let (source, info) = generate(&group, &written);
+    let leaf_guards: Vec<_> = group.leaves.iter().map(|l| l.read()).collect();
+    let out_guards: Vec<_> = group
+        .ops
+        .iter()
+        .zip(&written)
+        .filter(|(_, w)| **w)
+        .map(|(op, _)| op.out.read())
+        .collect();
+    let mut buffers: Vec<&GpuBuffer> = Vec::with_capacity(leaf_guards.len() + out_guards.len());
+    for g in leaf_guards.iter().chain(out_guards.iter()) {
+        buffers.push(g.gpu()?);
+    }
+    let writes: Vec<usize> = (leaf_guards.len()..buffers.len()).collect();
+    gpu.dispatch_writing(
+        Kernel::User,
+        &source,
+        &buffers,
+        &writes,
+        &info,
+        Grid::Elements(n),
+    )
 }
 
 /// The kernel source and its info buffer: `[n, rank, dims, strides..., scalars...]`.

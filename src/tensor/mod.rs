@@ -356,11 +356,18 @@ impl Tensor {
         let location = Location::caller();
         self.var.wait_to_read()?;
         if let Some(gpu) = self.gpu("wait_to_read", location)? {
-            gpu.synchronize().map_err(|message| Error::Failed {
+            let failed = |message| Error::Failed {
                 op: "wait_to_read".to_string(),
                 location,
                 message,
-            })?;
+            };
+            gpu.synchronize().map_err(failed)?;
+            // The value itself may come from a batch that failed.
+            if self.numel() > 0 {
+                self.var
+                    .with(|d| d.gpu().and_then(|b| b.check()))?
+                    .map_err(failed)?;
+            }
         }
         Ok(())
     }

@@ -152,8 +152,22 @@ impl KernelBuilder<'_> {
                 all.push((*i, g.gpu()?));
             }
             all.sort_by_key(|(i, _)| *i);
+            let written: Vec<usize> = all
+                .iter()
+                .enumerate()
+                .filter(|(_, (i, _))| writes.iter().any(|(w, _, _)| w == i))
+                .map(|(pos, _)| pos)
+                .collect();
             let buffers: Vec<&GpuBuffer> = all.into_iter().map(|(_, b)| b).collect();
-            gpu.dispatch(Kernel::User, &source, &buffers, &[], Grid::Exact(x, y, z))?;
+            gpu.encode_fused()?;
+            gpu.dispatch_writing(
+                Kernel::User,
+                &source,
+                &buffers,
+                &written,
+                &[],
+                Grid::Exact(x, y, z),
+            )?;
             drop(pending);
             Ok(())
         })
