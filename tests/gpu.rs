@@ -1,24 +1,14 @@
-//! Tensor ops on every GPU device found, against the CPU device.
+//! Tensor ops on every device, against the CPU device: each test runs once per
+//! device (`name::cpu`, `name::gpu0`, `name::gpu_others`, see `common/`), and
+//! tests of what only GPUs do run once per GPU.
 //!
 //! With `LAZYFLOW_REQUIRE_GPU=1` (set by `.ci/run`, which installs Mesa's lavapipe)
 //! finding no GPU adapter is a failure, not a skip.
 
-use lazyflow::{Device, Engine, Error, Mode, Tensor};
+mod common;
 
-fn gpu_devices(engine: &Engine) -> Vec<Device> {
-    let gpus: Vec<Device> = engine
-        .devices()
-        .into_iter()
-        .filter(|d| *d != Device::Cpu)
-        .collect();
-    if gpus.is_empty() && std::env::var("LAZYFLOW_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-        panic!("LAZYFLOW_REQUIRE_GPU=1 but no GPU adapter was found");
-    }
-    for d in &gpus {
-        eprintln!("testing on {d}: {}", engine.describe(*d));
-    }
-    gpus
-}
+use common::{device_test, gpu_test};
+use lazyflow::{Device, Engine, Error, Mode, Tensor};
 
 fn engine(mode: Mode) -> Engine {
     Engine::builder().mode(mode).workers(2).build().unwrap()
@@ -38,13 +28,12 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
         let tol = 1e-5 + 1e-5 * w.abs();
         assert!(
             (g - w).abs() <= tol || (g.is_nan() && w.is_nan()) || g == w,
-            "{what}: element {i}: gpu {g} vs cpu {w}"
+            "{what}: element {i}: {g} vs cpu {w}"
         );
     }
 }
 
-#[test]
-fn binary_ops_with_broadcasting_match_the_cpu() {
+fn binary_ops_with_broadcasting_match_the_cpu(device: Device) {
     let e = engine(Mode::Lazy);
     let shapes: &[(&[usize], &[usize])] = &[
         (&[1], &[1]),
@@ -71,113 +60,114 @@ fn binary_ops_with_broadcasting_match_the_cpu() {
         ("gt", Tensor::gt),
         ("ge", Tensor::ge),
     ];
-    for gpu in gpu_devices(&e) {
-        for (sa, sb) in shapes {
-            let na: usize = sa.iter().product();
-            let nb: usize = sb.iter().product();
-            let a = Tensor::from_vec_in(&e, data(na, 1), *sa).unwrap();
-            // Some equal values so that comparisons see ties.
-            let mut bd = data(nb, 7);
-            if let (Some(first), Some(&a0)) = (bd.first_mut(), data(na, 1).first()) {
-                *first = a0;
-            }
-            let b = Tensor::from_vec_in(&e, bd, *sb).unwrap();
-            let (ga, gb) = (a.to(gpu).unwrap(), b.to(gpu).unwrap());
-            for (name, op) in ops {
-                let want = op(&a, &b).unwrap().to_vec().unwrap();
-                let got = op(&ga, &gb).unwrap();
-                assert_eq!(got.device(), gpu);
-                assert_close(
-                    &got.to_vec().unwrap(),
-                    &want,
-                    &format!("{name} {sa:?} {sb:?} on {gpu}"),
+    for (sa, sb) in shapes {
+        let na: usize = sa.iter().product();
+        let nb: usize = sb.iter().product();
+        let a = Tensor::from_vec_in(&e, data(na, 1), *sa).unwrap();
+        // Some equal values so that comparisons see ties.
+        let mut bd = data(nb, 7);
+        if let (Some(first), Some(&a0)) = (bd.first_mut(), data(na, 1).first()) {
+            *first = a0;
+        }
+        let b = Tensor::from_vec_in(&e, bd, *sb).unwrap();
+        let (ga, gb) = (a.to(device).unwrap(), b.to(device).unwrap());
+        for (name, op) in ops {
+            let want = op(&a, &b).unwrap().to_vec().unwrap();
+            let got = op(&ga, &gb).unwrap();
+            assert_eq!(got.device(), device);
+            assert_close(
+                &got.to_vec().unwrap(),
+                &want,
+                &format!("{name} {sa:?} {sb:?} on {device}"),
+            );
+        }
+    }
+}
+device_test!(binary_ops_with_broadcasting_match_the_cpu);
+
+fn unary_and_scalar_ops_match_the_cpu(device: Device) {
+    let e = engine(Mode::Async);
+    for n in [1usize, 5, 256, 1000] {
+        let x = Tensor::from_vec_in(&e, data(n, 3), [n]).unwrap();
+        let pos = x.abs() + 0.5;
+        let (gx, gpos) = (x.to(device).unwrap(), pos.to(device).unwrap());
+        let pairs: Vec<(&str, Tensor, Tensor)> = vec![
+            ("neg", x.neg(), gx.neg()),
+            ("exp", x.exp(), gx.exp()),
+            ("log", pos.log(), gpos.log()),
+            ("sqrt", pos.sqrt(), gpos.sqrt()),
+            ("abs", x.abs(), gx.abs()),
+            ("relu", x.relu(), gx.relu()),
+            ("sigmoid", (&x * 30.0).sigmoid(), (&gx * 30.0).sigmoid()),
+            ("tanh", (&x * 30.0).tanh(), (&gx * 30.0).tanh()),
+            ("x + 1", &x + 1.0, &gx + 1.0),
+            ("2 - x", 2.0 - &x, 2.0 - &gx),
+            ("x / 4", &x / 4.0, &gx / 4.0),
+            ("pos ^ 1.5", pos.powf(1.5), gpos.powf(1.5)),
+            ("x > 0", x.gt_scalar(0.0), gx.gt_scalar(0.0)),
+        ];
+        for (name, cpu, g) in pairs {
+            let want = cpu.to_vec().unwrap();
+            let got = g.to_vec().unwrap();
+            // exp, log, pow and tanh are approximations on GPUs.
+            let tol = 2e-4;
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() <= tol * (1.0 + b.abs()),
+                    "{name} n={n} on {device}: element {i}: {a} vs {b}"
                 );
             }
         }
     }
 }
+device_test!(unary_and_scalar_ops_match_the_cpu);
 
-#[test]
-fn unary_and_scalar_ops_match_the_cpu() {
-    let e = engine(Mode::Async);
-    for gpu in gpu_devices(&e) {
-        for n in [1usize, 5, 256, 1000] {
-            let x = Tensor::from_vec_in(&e, data(n, 3), [n]).unwrap();
-            let pos = x.abs() + 0.5;
-            let (gx, gpos) = (x.to(gpu).unwrap(), pos.to(gpu).unwrap());
-            let pairs: Vec<(&str, Tensor, Tensor)> = vec![
-                ("neg", x.neg(), gx.neg()),
-                ("exp", x.exp(), gx.exp()),
-                ("log", pos.log(), gpos.log()),
-                ("sqrt", pos.sqrt(), gpos.sqrt()),
-                ("abs", x.abs(), gx.abs()),
-                ("relu", x.relu(), gx.relu()),
-                ("sigmoid", (&x * 30.0).sigmoid(), (&gx * 30.0).sigmoid()),
-                ("tanh", (&x * 30.0).tanh(), (&gx * 30.0).tanh()),
-                ("x + 1", &x + 1.0, &gx + 1.0),
-                ("2 - x", 2.0 - &x, 2.0 - &gx),
-                ("x / 4", &x / 4.0, &gx / 4.0),
-                ("pos ^ 1.5", pos.powf(1.5), gpos.powf(1.5)),
-                ("x > 0", x.gt_scalar(0.0), gx.gt_scalar(0.0)),
-            ];
-            for (name, cpu, g) in pairs {
-                let want = cpu.to_vec().unwrap();
-                let got = g.to_vec().unwrap();
-                // exp, log, pow and tanh are approximations on GPUs.
-                let tol = 2e-4;
-                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        (a - b).abs() <= tol * (1.0 + b.abs()),
-                        "{name} n={n} on {gpu}: element {i}: {a} vs {b}"
-                    );
-                }
-            }
-        }
-    }
-}
-
-#[test]
-fn dependent_chains_and_mixed_devices_give_the_sequential_result() {
+fn dependent_chains_and_mixed_devices_give_the_sequential_result(device: Device) {
     for mode in [Mode::Lazy, Mode::Async, Mode::Sync] {
         let e = engine(mode);
-        for gpu in gpu_devices(&e) {
-            // x = x + 1, 200 times on the GPU, one read at the end.
-            let mut x = Tensor::zeros_in(&e, [33]).to(gpu).unwrap();
-            for _ in 0..200 {
-                x = &x + 1.0;
-            }
-            assert_eq!(x.to_vec().unwrap(), vec![200.0; 33], "{mode:?} on {gpu}");
-            // CPU -> GPU -> CPU -> GPU, each step depending on the last.
-            let a = Tensor::arange_in(&e, 0.0, 10.0, 1.0);
-            let b = (a.to(gpu).unwrap() * 2.0).to(Device::Cpu).unwrap();
-            let c = (b.exp().log() + 1.0).to(gpu).unwrap();
-            let d = (&c * &c).to_vec().unwrap();
-            let want: Vec<f32> = (0..10).map(|i| (2.0 * i as f32 + 1.0).powi(2)).collect();
-            assert_close(&d, &want, &format!("mixed chain {mode:?} on {gpu}"));
-            // Results kept alive and read in reverse order.
-            let base = Tensor::ones_in(&e, [17]).to(gpu).unwrap();
-            let ys: Vec<Tensor> = (0..50).map(|i| &base * i as f32).collect();
-            for (i, y) in ys.iter().enumerate().rev() {
-                assert_eq!(y.to_vec().unwrap(), vec![i as f32; 17]);
-            }
-            // wait_all is a barrier for the GPU too.
-            e.wait_all().unwrap();
+        // x = x + 1, 200 times on the GPU, one read at the end.
+        let mut x = Tensor::zeros_in(&e, [33]).to(device).unwrap();
+        for _ in 0..200 {
+            x = &x + 1.0;
         }
+        assert_eq!(x.to_vec().unwrap(), vec![200.0; 33], "{mode:?} on {device}");
+        // CPU -> GPU -> CPU -> GPU, each step depending on the last.
+        let a = Tensor::arange_in(&e, 0.0, 10.0, 1.0);
+        let b = (a.to(device).unwrap() * 2.0).to(Device::Cpu).unwrap();
+        let c = (b.exp().log() + 1.0).to(device).unwrap();
+        let d = (&c * &c).to_vec().unwrap();
+        let want: Vec<f32> = (0..10).map(|i| (2.0 * i as f32 + 1.0).powi(2)).collect();
+        assert_close(&d, &want, &format!("mixed chain {mode:?} on {device}"));
+        // Results kept alive and read in reverse order.
+        let base = Tensor::ones_in(&e, [17]).to(device).unwrap();
+        let ys: Vec<Tensor> = (0..50).map(|i| &base * i as f32).collect();
+        for (i, y) in ys.iter().enumerate().rev() {
+            assert_eq!(y.to_vec().unwrap(), vec![i as f32; 17]);
+        }
+        // wait_all is a barrier for the GPU too.
+        e.wait_all().unwrap();
     }
 }
+device_test!(dependent_chains_and_mixed_devices_give_the_sequential_result);
 
-#[test]
-fn two_logical_devices_and_cross_device_copies() {
+fn two_logical_devices_and_cross_device_copies(gpu: Device) {
     let e = Engine::builder()
         .workers(2)
         .logical_devices(2)
         .build()
         .unwrap();
-    let gpus = gpu_devices(&e);
-    if gpus.len() < 2 {
-        return;
-    }
-    let (g0, g1) = (gpus[0], gpus[1]);
+    // The two logical devices this engine opened on `gpu`'s adapter.
+    let adapter = common::adapter(gpu).expect("a GPU of the probe engine");
+    let on_adapter: Vec<Device> = e
+        .devices()
+        .into_iter()
+        .filter(|d| {
+            e.gpu_info(*d)
+                .is_some_and(|i| (i.name, i.backend) == adapter)
+        })
+        .collect();
+    assert_eq!(on_adapter.len(), 2, "logical devices on {adapter:?}");
+    let (g0, g1) = (on_adapter[0], on_adapter[1]);
     let x = Tensor::from_vec_in(&e, data(100, 5), [100]).unwrap();
     let on0 = &x.to(g0).unwrap() + 3.0;
     let on1 = on0.to(g1).unwrap() * 2.0;
@@ -186,228 +176,267 @@ fn two_logical_devices_and_cross_device_copies() {
     // Operands on different devices are rejected at record time.
     assert!(matches!(on0.add(&on1), Err(Error::DeviceMismatch { .. })));
 }
+gpu_test!(two_logical_devices_and_cross_device_copies);
 
-#[test]
-fn bad_devices_are_clear_errors() {
+fn bad_devices_are_clear_errors(gpu: Device) {
     let e = engine(Mode::Lazy);
     let x = Tensor::ones_in(&e, [2, 2]);
     assert!(matches!(
         x.to(Device::Gpu(999)),
         Err(Error::InvalidArgument { op: "to", .. })
     ));
-    for gpu in gpu_devices(&e) {
-        let g = x.to(gpu).unwrap();
-        // Printing copies to the host.
-        assert!(format!("{g}").contains("[[1.0, 1.0], [1.0, 1.0]]"));
-        assert!(matches!(g.add(&x), Err(Error::DeviceMismatch { .. })));
-    }
+    let g = x.to(gpu).unwrap();
+    // Printing copies to the host.
+    assert!(format!("{g}").contains("[[1.0, 1.0], [1.0, 1.0]]"));
+    assert!(matches!(g.add(&x), Err(Error::DeviceMismatch { .. })));
 }
+gpu_test!(bad_devices_are_clear_errors);
 
-/// Runs `f` on the CPU and on `gpu` and compares the results.
-fn same_on(gpu: Device, what: &str, inputs: &[&Tensor], f: impl Fn(&[Tensor]) -> Tensor, tol: f32) {
+/// Runs `f` on the CPU and on `device` and compares the results.
+fn same_on(
+    device: Device,
+    what: &str,
+    inputs: &[&Tensor],
+    f: impl Fn(&[Tensor]) -> Tensor,
+    tol: f32,
+) {
     let cpu: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
-    let dev: Vec<Tensor> = inputs.iter().map(|t| t.to(gpu).unwrap()).collect();
+    let dev: Vec<Tensor> = inputs.iter().map(|t| t.to(device).unwrap()).collect();
     let want = f(&cpu);
     let got = f(&dev);
-    assert_eq!(got.device(), gpu, "{what}");
+    assert_eq!(got.device(), device, "{what}");
     assert_eq!(got.dims(), want.dims(), "{what}: shape");
     let (got, want) = (got.to_vec().unwrap(), want.to_vec().unwrap());
     assert_eq!(got.len(), want.len(), "{what}");
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert!(
             (g - w).abs() <= tol * (1.0 + w.abs()) || (g.is_nan() && w.is_nan()),
-            "{what} on {gpu}: element {i}: {g} vs {w}"
+            "{what} on {device}: element {i}: {g} vs {w}"
         );
     }
 }
 
-#[test]
-fn reductions_match_the_cpu() {
+fn reductions_match_the_cpu(device: Device) {
     let e = engine(Mode::Lazy);
-    for gpu in gpu_devices(&e) {
-        for dims in [
-            &[1usize][..],
-            &[7],
-            &[1000],
-            &[2, 3, 4],
-            &[3, 1, 257],
-            &[65, 3],
-        ] {
-            let n: usize = dims.iter().product();
-            let x = Tensor::from_vec_in(&e, data(n, 11), dims).unwrap();
-            let what = |op: &str| format!("{op} {dims:?}");
-            same_on(gpu, &what("sum"), &[&x], |t| t[0].sum(), 1e-4);
-            same_on(gpu, &what("mean"), &[&x], |t| t[0].mean(), 1e-4);
-            same_on(gpu, &what("max"), &[&x], |t| t[0].max(), 0.0);
-            same_on(gpu, &what("min"), &[&x], |t| t[0].min(), 0.0);
-            same_on(gpu, &what("argmax"), &[&x], |t| t[0].argmax(), 0.0);
-            for axis in 0..dims.len() {
-                let w = |op: &str| format!("{op} axis {axis} of {dims:?}");
-                same_on(
-                    gpu,
-                    &w("sum"),
-                    &[&x],
-                    |t| t[0].sum_axis(axis).unwrap(),
-                    1e-4,
-                );
-                same_on(
-                    gpu,
-                    &w("mean"),
-                    &[&x],
-                    |t| t[0].mean_axis(axis).unwrap(),
-                    1e-4,
-                );
-                same_on(gpu, &w("max"), &[&x], |t| t[0].max_axis(axis).unwrap(), 0.0);
-                same_on(gpu, &w("min"), &[&x], |t| t[0].min_axis(axis).unwrap(), 0.0);
-                same_on(
-                    gpu,
-                    &w("argmax"),
-                    &[&x],
-                    |t| t[0].argmax_axis(axis).unwrap(),
-                    0.0,
-                );
-            }
-        }
-        // Ties go to the first index; NaN propagates.
-        let ties = Tensor::from_vec_in(&e, vec![1.0, 3.0, 3.0, 2.0, 3.0], [5]).unwrap();
-        same_on(gpu, "argmax ties", &[&ties], |t| t[0].argmax(), 0.0);
-        let nan = Tensor::from_vec_in(&e, vec![1.0, f32::NAN, 3.0], [3]).unwrap();
-        same_on(gpu, "max with NaN", &[&nan], |t| t[0].max(), 0.0);
-        same_on(gpu, "argmax with NaN", &[&nan], |t| t[0].argmax(), 0.0);
-    }
-}
-
-#[test]
-fn matmul_matches_the_cpu() {
-    let e = engine(Mode::Lazy);
-    for gpu in gpu_devices(&e) {
-        let cases: &[(&[usize], &[usize])] = &[
-            (&[1, 1], &[1, 1]),
-            (&[7, 5], &[5, 3]),
-            (&[1, 9], &[9, 1]),
-            (&[65, 70], &[70, 66]),
-            (&[64, 64], &[64, 64]),
-            (&[2, 3, 4], &[2, 4, 5]),
-            (&[2, 65, 17], &[17, 33]),
-            (&[3, 0], &[0, 4]),
-        ];
-        for (sa, sb) in cases {
-            let a = Tensor::from_vec_in(&e, data(sa.iter().product(), 2), *sa).unwrap();
-            let b = Tensor::from_vec_in(&e, data(sb.iter().product(), 9), *sb).unwrap();
-            same_on(
-                gpu,
-                &format!("matmul {sa:?} @ {sb:?}"),
-                &[&a, &b],
-                |t| t[0].matmul(&t[1]).unwrap(),
-                1e-4,
-            );
-        }
-        let sq = Tensor::from_vec_in(&e, data(100, 4), [10, 10]).unwrap();
-        same_on(gpu, "a @ a", &[&sq], |t| t[0].matmul(&t[0]).unwrap(), 1e-4);
-    }
-}
-
-#[test]
-fn layout_ops_match_the_cpu() {
-    let e = engine(Mode::Async);
-    for gpu in gpu_devices(&e) {
-        let x = Tensor::from_vec_in(&e, data(2 * 3 * 5, 6), [2, 3, 5]).unwrap();
-        for (d0, d1) in [(0, 1), (0, 2), (1, 2)] {
-            same_on(
-                gpu,
-                &format!("transpose {d0} {d1}"),
-                &[&x],
-                |t| t[0].transpose(d0, d1).unwrap(),
-                0.0,
-            );
-        }
-        let m = Tensor::from_vec_in(&e, data(40 * 33, 1), [40, 33]).unwrap();
-        same_on(gpu, "t", &[&m], |t| t[0].t().unwrap(), 0.0);
-        let col = Tensor::from_vec_in(&e, data(3, 8), [3, 1]).unwrap();
+    for dims in [
+        &[1usize][..],
+        &[7],
+        &[1000],
+        &[2, 3, 4],
+        &[3, 1, 257],
+        &[65, 3],
+    ] {
+        let n: usize = dims.iter().product();
+        let x = Tensor::from_vec_in(&e, data(n, 11), dims).unwrap();
+        let what = |op: &str| format!("{op} {dims:?}");
+        same_on(device, &what("sum"), &[&x], |t| t[0].sum(), 1e-4);
+        same_on(device, &what("mean"), &[&x], |t| t[0].mean(), 1e-4);
+        same_on(device, &what("max"), &[&x], |t| t[0].max(), 0.0);
+        same_on(device, &what("min"), &[&x], |t| t[0].min(), 0.0);
         same_on(
-            gpu,
-            "broadcast_to",
-            &[&col],
-            |t| t[0].broadcast_to([2, 3, 4]).unwrap(),
+            device,
+            &what("argmax"),
+            &[&x],
+            |t| t[0].argmax(),
             0.0,
         );
-        for axis in 0..3 {
-            let size = x.dims()[axis];
+        for axis in 0..dims.len() {
+            let w = |op: &str| format!("{op} axis {axis} of {dims:?}");
             same_on(
-                gpu,
-                &format!("narrow {axis}"),
+                device,
+                &w("sum"),
                 &[&x],
-                |t| t[0].narrow(axis, 1, size - 1).unwrap(),
+                |t| t[0].sum_axis(axis).unwrap(),
+                1e-4,
+            );
+            same_on(
+                device,
+                &w("mean"),
+                &[&x],
+                |t| t[0].mean_axis(axis).unwrap(),
+                1e-4,
+            );
+            same_on(
+                device,
+                &w("max"),
+                &[&x],
+                |t| t[0].max_axis(axis).unwrap(),
                 0.0,
             );
-            let parts = x.to(gpu).unwrap().split(axis, &[1, size - 1]).unwrap();
-            let cpu_parts = x.split(axis, &[1, size - 1]).unwrap();
-            for (g, c) in parts.iter().zip(&cpu_parts) {
-                assert_eq!(
-                    g.to_vec().unwrap(),
-                    c.to_vec().unwrap(),
-                    "split {axis} on {gpu}"
-                );
-            }
             same_on(
-                gpu,
-                &format!("concat {axis}"),
+                device,
+                &w("min"),
                 &[&x],
-                |t| Tensor::concat(&[&t[0], &t[0].exp(), &t[0]], axis).unwrap(),
-                1e-5,
+                |t| t[0].min_axis(axis).unwrap(),
+                0.0,
+            );
+            same_on(
+                device,
+                &w("argmax"),
+                &[&x],
+                |t| t[0].argmax_axis(axis).unwrap(),
+                0.0,
             );
         }
-        let r = x.to(gpu).unwrap().reshape([6, 5]).unwrap();
-        assert_eq!(r.to_vec().unwrap(), x.to_vec().unwrap());
     }
+    // Ties go to the first index; NaN propagates.
+    let ties = Tensor::from_vec_in(&e, vec![1.0, 3.0, 3.0, 2.0, 3.0], [5]).unwrap();
+    same_on(
+        device,
+        "argmax ties",
+        &[&ties],
+        |t| t[0].argmax(),
+        0.0,
+    );
+    let nan = Tensor::from_vec_in(&e, vec![1.0, f32::NAN, 3.0], [3]).unwrap();
+    same_on(
+        device,
+        "max with NaN",
+        &[&nan],
+        |t| t[0].max(),
+        0.0,
+    );
+    same_on(
+        device,
+        "argmax with NaN",
+        &[&nan],
+        |t| t[0].argmax(),
+        0.0,
+    );
 }
+device_test!(reductions_match_the_cpu);
 
-#[test]
-fn in_place_ops_are_ordered_and_match_the_cpu() {
+fn matmul_matches_the_cpu(device: Device) {
+    let e = engine(Mode::Lazy);
+    let cases: &[(&[usize], &[usize])] = &[
+        (&[1, 1], &[1, 1]),
+        (&[7, 5], &[5, 3]),
+        (&[1, 9], &[9, 1]),
+        (&[65, 70], &[70, 66]),
+        (&[64, 64], &[64, 64]),
+        (&[2, 3, 4], &[2, 4, 5]),
+        (&[2, 65, 17], &[17, 33]),
+        (&[3, 0], &[0, 4]),
+    ];
+    for (sa, sb) in cases {
+        let a = Tensor::from_vec_in(&e, data(sa.iter().product(), 2), *sa).unwrap();
+        let b = Tensor::from_vec_in(&e, data(sb.iter().product(), 9), *sb).unwrap();
+        same_on(
+            device,
+            &format!("matmul {sa:?} @ {sb:?}"),
+            &[&a, &b],
+            |t| t[0].matmul(&t[1]).unwrap(),
+            1e-4,
+        );
+    }
+    let sq = Tensor::from_vec_in(&e, data(100, 4), [10, 10]).unwrap();
+    same_on(
+        device,
+        "a @ a",
+        &[&sq],
+        |t| t[0].matmul(&t[0]).unwrap(),
+        1e-4,
+    );
+}
+device_test!(matmul_matches_the_cpu);
+
+fn layout_ops_match_the_cpu(device: Device) {
+    let e = engine(Mode::Async);
+    let x = Tensor::from_vec_in(&e, data(2 * 3 * 5, 6), [2, 3, 5]).unwrap();
+    for (d0, d1) in [(0, 1), (0, 2), (1, 2)] {
+        same_on(
+            device,
+            &format!("transpose {d0} {d1}"),
+            &[&x],
+            |t| t[0].transpose(d0, d1).unwrap(),
+            0.0,
+        );
+    }
+    let m = Tensor::from_vec_in(&e, data(40 * 33, 1), [40, 33]).unwrap();
+    same_on(device, "t", &[&m], |t| t[0].t().unwrap(), 0.0);
+    let col = Tensor::from_vec_in(&e, data(3, 8), [3, 1]).unwrap();
+    same_on(
+        device,
+        "broadcast_to",
+        &[&col],
+        |t| t[0].broadcast_to([2, 3, 4]).unwrap(),
+        0.0,
+    );
+    for axis in 0..3 {
+        let size = x.dims()[axis];
+        same_on(
+            device,
+            &format!("narrow {axis}"),
+            &[&x],
+            |t| t[0].narrow(axis, 1, size - 1).unwrap(),
+            0.0,
+        );
+        let parts = x.to(device).unwrap().split(axis, &[1, size - 1]).unwrap();
+        let cpu_parts = x.split(axis, &[1, size - 1]).unwrap();
+        for (g, c) in parts.iter().zip(&cpu_parts) {
+            assert_eq!(
+                g.to_vec().unwrap(),
+                c.to_vec().unwrap(),
+                "split {axis} on {device}"
+            );
+        }
+        same_on(
+            device,
+            &format!("concat {axis}"),
+            &[&x],
+            |t| Tensor::concat(&[&t[0], &t[0].exp(), &t[0]], axis).unwrap(),
+            1e-5,
+        );
+    }
+    let r = x.to(device).unwrap().reshape([6, 5]).unwrap();
+    assert_eq!(r.to_vec().unwrap(), x.to_vec().unwrap());
+}
+device_test!(layout_ops_match_the_cpu);
+
+fn in_place_ops_are_ordered_and_match_the_cpu(device: Device) {
     for mode in [Mode::Lazy, Mode::Async, Mode::Sync] {
         let e = engine(mode);
-        for gpu in gpu_devices(&e) {
-            let x = Tensor::from_vec_in(&e, data(12, 3), [3, 4])
-                .unwrap()
-                .to(gpu)
-                .unwrap();
-            let cpu = x.to_vec().unwrap();
-            // A reader recorded before the write sees the old value
-            // (write-after-read), and clones see the new one.
-            let before = &x + 0.0;
-            let alias = x.clone();
-            x.add_scalar_(1.0);
-            let row = Tensor::from_vec_in(&e, vec![1.0, 2.0, 3.0, 4.0], [4])
-                .unwrap()
-                .to(gpu)
-                .unwrap();
-            x.mul_(&row).unwrap();
-            x.add_(&x).unwrap();
-            x.relu_();
-            let mut y = x.clone();
-            y -= 0.5;
-            y /= &row;
-            let want: Vec<f32> = cpu
-                .iter()
-                .enumerate()
-                .map(|(i, v)| {
-                    (((v + 1.0) * (i % 4 + 1) as f32 * 2.0).max(0.0) - 0.5) / (i % 4 + 1) as f32
-                })
-                .collect();
-            assert_close(
-                &alias.to_vec().unwrap(),
-                &want,
-                &format!("in-place chain {mode:?} on {gpu}"),
-            );
-            assert_eq!(before.to_vec().unwrap(), cpu, "{mode:?} on {gpu}");
-            let z = Tensor::zeros_in(&e, [3, 4]).to(gpu).unwrap();
-            z.copy_from(&x).unwrap();
-            x.fill_(7.0);
-            assert_close(&z.to_vec().unwrap(), &want, "copy_from");
-            assert_eq!(x.to_vec().unwrap(), vec![7.0; 12]);
-        }
+        let x = Tensor::from_vec_in(&e, data(12, 3), [3, 4])
+            .unwrap()
+            .to(device)
+            .unwrap();
+        let cpu = x.to_vec().unwrap();
+        // A reader recorded before the write sees the old value
+        // (write-after-read), and clones see the new one.
+        let before = &x + 0.0;
+        let alias = x.clone();
+        x.add_scalar_(1.0);
+        let row = Tensor::from_vec_in(&e, vec![1.0, 2.0, 3.0, 4.0], [4])
+            .unwrap()
+            .to(device)
+            .unwrap();
+        x.mul_(&row).unwrap();
+        x.add_(&x).unwrap();
+        x.relu_();
+        let mut y = x.clone();
+        y -= 0.5;
+        y /= &row;
+        let want: Vec<f32> = cpu
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                (((v + 1.0) * (i % 4 + 1) as f32 * 2.0).max(0.0) - 0.5) / (i % 4 + 1) as f32
+            })
+            .collect();
+        assert_close(
+            &alias.to_vec().unwrap(),
+            &want,
+            &format!("in-place chain {mode:?} on {device}"),
+        );
+        assert_eq!(before.to_vec().unwrap(), cpu, "{mode:?} on {device}");
+        let z = Tensor::zeros_in(&e, [3, 4]).to(device).unwrap();
+        z.copy_from(&x).unwrap();
+        x.fill_(7.0);
+        assert_close(&z.to_vec().unwrap(), &want, "copy_from");
+        assert_eq!(x.to_vec().unwrap(), vec![7.0; 12]);
     }
 }
+device_test!(in_place_ops_are_ordered_and_match_the_cpu);
 
 const SCALE: &str = "
     @group(0) @binding(0) var<storage, read> x: array<f32>;
@@ -419,154 +448,167 @@ const SCALE: &str = "
         }
     }";
 
-#[test]
-fn user_kernels_run_in_order_with_other_nodes() {
+fn user_kernels_run_in_order_with_other_nodes(gpu: Device) {
     for mode in [Mode::Lazy, Mode::Async] {
         let e = engine(mode);
-        for gpu in gpu_devices(&e) {
-            let x = Tensor::arange_in(&e, 0.0, 100.0, 1.0).to(gpu).unwrap();
-            let y = Tensor::ones_in(&e, [100]).to(gpu).unwrap();
-            let before = &y * 1.0; // recorded before the kernel writes y
-            let mut k = e.kernel("scale_add", SCALE);
-            k.read(&x).write(&y).workgroups(2, 1, 1);
-            k.run().unwrap();
-            let after = &y + 0.0;
-            let want: Vec<f32> = (0..100).map(|i| 1.0 + 2.0 * i as f32).collect();
-            assert_eq!(after.to_vec().unwrap(), want, "{mode:?} on {gpu}");
-            assert_eq!(before.to_vec().unwrap(), vec![1.0; 100]);
-        }
+        let x = Tensor::arange_in(&e, 0.0, 100.0, 1.0).to(gpu).unwrap();
+        let y = Tensor::ones_in(&e, [100]).to(gpu).unwrap();
+        let before = &y * 1.0; // recorded before the kernel writes y
+        let mut k = e.kernel("scale_add", SCALE);
+        k.read(&x).write(&y).workgroups(2, 1, 1);
+        k.run().unwrap();
+        let after = &y + 0.0;
+        let want: Vec<f32> = (0..100).map(|i| 1.0 + 2.0 * i as f32).collect();
+        assert_eq!(after.to_vec().unwrap(), want, "{mode:?} on {gpu}");
+        assert_eq!(before.to_vec().unwrap(), vec![1.0; 100]);
     }
 }
+gpu_test!(user_kernels_run_in_order_with_other_nodes);
 
-#[test]
-fn an_invalid_user_kernel_fails_only_its_dependents() {
+fn an_invalid_user_kernel_fails_only_its_dependents(gpu: Device) {
     let e = engine(Mode::Lazy);
-    for gpu in gpu_devices(&e) {
-        let x = Tensor::ones_in(&e, [8]).to(gpu).unwrap();
-        let y = Tensor::zeros_in(&e, [8]).to(gpu).unwrap();
-        let other = &x * 5.0;
-        let mut k = e.kernel("broken_kernel", "this is not WGSL");
-        k.read(&x).write(&y);
-        k.run().unwrap();
-        let err = (&y + 1.0).to_vec().unwrap_err();
-        assert!(
-            matches!(&err, Error::Failed { op, .. } if op == "broken_kernel"),
-            "{err}"
-        );
-        // A kernel that declares more bindings than it is given fails the same way.
-        let three = "
-            @group(0) @binding(0) var<storage, read> a: array<f32>;
-            @group(0) @binding(1) var<storage, read> b: array<f32>;
-            @group(0) @binding(2) var<storage, read_write> c: array<f32>;
-            @compute @workgroup_size(1)
-            fn main() { c[0] = a[0] + b[0]; }";
-        let w = Tensor::zeros_in(&e, [1]).to(gpu).unwrap();
-        let mut k = e.kernel("missing_binding", three);
-        k.read(&x).write(&w);
-        k.run().unwrap();
-        let err = w.to_vec().unwrap_err();
-        assert!(
-            matches!(&err, Error::Failed { op, .. } if op == "missing_binding"),
-            "{err}"
-        );
-        // Independent work is unaffected and the device keeps working.
-        assert_eq!(other.to_vec().unwrap(), vec![5.0; 8]);
-        let z = Tensor::ones_in(&e, [3]).to(gpu).unwrap();
-        assert_eq!((&z + 1.0).to_vec().unwrap(), vec![2.0; 3]);
-        // Record-time errors: mixed devices, no bindings.
-        let cpu = Tensor::ones_in(&e, [8]);
-        let mut k = e.kernel("mixed", SCALE);
-        k.read(&cpu).write(&z);
-        assert!(matches!(
-            k.run(),
-            Err(Error::DeviceMismatch { op: "mixed", .. })
-        ));
-        assert!(e.kernel("empty", SCALE).run().is_err());
-    }
+    let x = Tensor::ones_in(&e, [8]).to(gpu).unwrap();
+    let y = Tensor::zeros_in(&e, [8]).to(gpu).unwrap();
+    let other = &x * 5.0;
+    let mut k = e.kernel("broken_kernel", "this is not WGSL");
+    k.read(&x).write(&y);
+    k.run().unwrap();
+    let err = (&y + 1.0).to_vec().unwrap_err();
+    assert!(
+        matches!(&err, Error::Failed { op, .. } if op == "broken_kernel"),
+        "{err}"
+    );
+    // A kernel that declares more bindings than it is given fails the same way.
+    let three = "
+        @group(0) @binding(0) var<storage, read> a: array<f32>;
+        @group(0) @binding(1) var<storage, read> b: array<f32>;
+        @group(0) @binding(2) var<storage, read_write> c: array<f32>;
+        @compute @workgroup_size(1)
+        fn main() { c[0] = a[0] + b[0]; }";
+    let w = Tensor::zeros_in(&e, [1]).to(gpu).unwrap();
+    let mut k = e.kernel("missing_binding", three);
+    k.read(&x).write(&w);
+    k.run().unwrap();
+    let err = w.to_vec().unwrap_err();
+    assert!(
+        matches!(&err, Error::Failed { op, .. } if op == "missing_binding"),
+        "{err}"
+    );
+    // Independent work is unaffected and the device keeps working.
+    assert_eq!(other.to_vec().unwrap(), vec![5.0; 8]);
+    let z = Tensor::ones_in(&e, [3]).to(gpu).unwrap();
+    assert_eq!((&z + 1.0).to_vec().unwrap(), vec![2.0; 3]);
+    // Record-time errors: mixed devices, no bindings.
+    let cpu = Tensor::ones_in(&e, [8]);
+    let mut k = e.kernel("mixed", SCALE);
+    k.read(&cpu).write(&z);
+    assert!(matches!(
+        k.run(),
+        Err(Error::DeviceMismatch { op: "mixed", .. })
+    ));
+    assert!(e.kernel("empty", SCALE).run().is_err());
 }
+gpu_test!(an_invalid_user_kernel_fails_only_its_dependents);
 
-#[test]
-fn pooled_buffers_are_reused_only_after_their_readers() {
-    for mode in [Mode::Lazy, Mode::Async] {
-        let e = engine(mode);
-        for gpu in gpu_devices(&e) {
+/// A buffer goes back to its device's pool when the last reader of its tensor
+/// has been encoded, and the next allocation of its size class takes it while
+/// that reader may not have executed yet: only the in-order queue keeps the
+/// reader ahead of the new writer.
+///
+/// Here `a`'s buffer is read by `b = a * 2` and then reused, for `c`'s upload
+/// or for the output of `b * 0 - 1` (which runs after `b` is encoded: with
+/// fusion off, the reuse is certain in Lazy mode, where everything up to the
+/// readback is one command buffer). Were a buffer handed out too early, when
+/// `a`'s handle is dropped (before `b` is encoded: Lazy mode runs nothing
+/// before the readback) or written by something the device executes before `b`
+/// (an upload through `Queue::write_buffer`, which lands ahead of the open
+/// batch), `b` would read -1 instead of `round` and hold -2 instead of
+/// `2 * round`; `c`, `d` and `f` check the new owners the other way round.
+fn pooled_buffers_are_reused_only_after_their_readers(gpu: Device) {
+    for fusion in [false, true] {
+        for mode in [Mode::Lazy, Mode::Async, Mode::Sync] {
+            let e = Engine::builder()
+                .mode(mode)
+                .workers(2)
+                .fusion(fusion)
+                .build()
+                .unwrap();
+            let what = format!("{mode:?}, fusion {fusion}, on {gpu}");
             let mut outs = Vec::new();
             for round in 0..20 {
-                // `a` is read by `b`, then dropped: its buffer goes back to the pool
-                // and the next allocations of its size class reuse it, while `b`
-                // (encoded earlier, maybe not yet executed) still has to read it.
                 let a = Tensor::full_in(&e, [1000], round as f32).to(gpu).unwrap();
                 let b = &a * 2.0;
                 drop(a);
                 let c = Tensor::full_in(&e, [1000], -1.0).to(gpu).unwrap();
                 let d = &c + 100.0;
-                outs.push((round, b, d));
+                let f = &b * 0.0 - 1.0;
+                outs.push((round, b, c, d, f));
             }
-            for (round, b, d) in outs {
+            for (round, b, c, d, f) in outs {
+                let b = b.to_vec().unwrap();
                 assert_eq!(
-                    b.to_vec().unwrap(),
+                    b,
                     vec![2.0 * round as f32; 1000],
-                    "{mode:?} on {gpu}"
+                    "b, round {round}, {what}"
                 );
-                assert_eq!(d.to_vec().unwrap(), vec![99.0; 1000]);
+                assert_eq!(c.to_vec().unwrap(), vec![-1.0; 1000], "c, {what}");
+                assert_eq!(d.to_vec().unwrap(), vec![99.0; 1000], "d, {what}");
+                assert_eq!(f.to_vec().unwrap(), vec![-1.0; 1000], "f, {what}");
             }
         }
     }
 }
+gpu_test!(pooled_buffers_are_reused_only_after_their_readers);
 
-#[test]
-fn tensors_larger_than_a_device_buffer_are_rejected_at_record_time() {
+fn tensors_larger_than_a_device_buffer_are_rejected_at_record_time(gpu: Device) {
     let e = engine(Mode::Lazy);
-    for gpu in gpu_devices(&e) {
-        // Never allocated: `zeros` is a lazy node and the size check comes first.
-        let huge = Tensor::zeros_in(&e, [1usize << 34]);
-        match huge.to(gpu) {
-            Err(Error::InvalidArgument {
-                op: "to", reason, ..
-            }) => {
-                assert!(reason.contains("exceed"), "{reason}")
-            }
-            other => panic!("expected a size error, got {other:?}"),
+    // Never allocated: `zeros` is a lazy node and the size check comes first.
+    let huge = Tensor::zeros_in(&e, [1usize << 34]);
+    match huge.to(gpu) {
+        Err(Error::InvalidArgument {
+            op: "to", reason, ..
+        }) => {
+            assert!(reason.contains("exceed"), "{reason}")
         }
-        // The device keeps working.
-        let x = Tensor::ones_in(&e, [4]).to(gpu).unwrap();
-        assert_eq!((&x * 3.0).to_vec().unwrap(), vec![3.0; 4]);
+        other => panic!("expected a size error, got {other:?}"),
     }
+    // The device keeps working.
+    let x = Tensor::ones_in(&e, [4]).to(gpu).unwrap();
+    assert_eq!((&x * 3.0).to_vec().unwrap(), vec![3.0; 4]);
     assert_eq!(e.stats().failed, 0);
 }
+gpu_test!(tensors_larger_than_a_device_buffer_are_rejected_at_record_time);
 
-#[test]
-fn fusion_turns_elementwise_chains_into_few_kernels_with_the_same_results() {
+fn fusion_turns_elementwise_chains_into_few_kernels_with_the_same_results(gpu: Device) {
     let fused = Engine::builder().workers(2).fusion(true).build().unwrap();
     let plain = Engine::builder().workers(2).fusion(false).build().unwrap();
-    for (gpu, gpu_plain) in gpu_devices(&fused).into_iter().zip(gpu_devices(&plain)) {
-        let run = |e: &Engine, g: Device| {
-            let k0 = e.kernels_dispatched(g);
-            let x0 = Tensor::from_vec_in(e, data(300, 2), [3, 100])
-                .unwrap()
-                .to(g)
-                .unwrap();
-            let row = Tensor::from_vec_in(e, data(100, 5), [100])
-                .unwrap()
-                .to(g)
-                .unwrap();
-            let mut x = x0.clone();
-            for i in 0..40 {
-                x = ((&x + &row) * 0.5 - i as f32).tanh() + &x0;
-            }
-            let kept: Vec<Tensor> = (0..5).map(|i| &x * i as f32).collect();
-            let out: Vec<Vec<f32>> = kept.iter().map(|t| t.to_vec().unwrap()).collect();
-            (out, e.kernels_dispatched(g) - k0)
-        };
-        let (a, fused_kernels) = run(&fused, gpu);
-        let (b, plain_kernels) = run(&plain, gpu_plain);
-        for (x, y) in a.iter().zip(&b) {
-            assert_close(x, y, "fused vs unfused");
+    let run = |e: &Engine, g: Device| {
+        let k0 = e.kernels_dispatched(g);
+        let x0 = Tensor::from_vec_in(e, data(300, 2), [3, 100])
+            .unwrap()
+            .to(g)
+            .unwrap();
+        let row = Tensor::from_vec_in(e, data(100, 5), [100])
+            .unwrap()
+            .to(g)
+            .unwrap();
+        let mut x = x0.clone();
+        for i in 0..40 {
+            x = ((&x + &row) * 0.5 - i as f32).tanh() + &x0;
         }
-        assert!(plain_kernels >= 40 * 5, "{plain_kernels}");
-        assert!(
-            fused_kernels * 10 < plain_kernels,
-            "{fused_kernels} vs {plain_kernels}"
-        );
+        let kept: Vec<Tensor> = (0..5).map(|i| &x * i as f32).collect();
+        let out: Vec<Vec<f32>> = kept.iter().map(|t| t.to_vec().unwrap()).collect();
+        (out, e.kernels_dispatched(g) - k0)
+    };
+    let (a, fused_kernels) = run(&fused, gpu);
+    let (b, plain_kernels) = run(&plain, gpu);
+    for (x, y) in a.iter().zip(&b) {
+        assert_close(x, y, "fused vs unfused");
     }
+    assert!(plain_kernels >= 40 * 5, "{plain_kernels}");
+    assert!(
+        fused_kernels * 10 < plain_kernels,
+        "{fused_kernels} vs {plain_kernels}"
+    );
 }
+gpu_test!(fusion_turns_elementwise_chains_into_few_kernels_with_the_same_results);
