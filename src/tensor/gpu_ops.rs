@@ -20,17 +20,140 @@ enum Operand<'t> {
 use crate::error::{Error, Location, Result};
 use std::sync::Arc;
 
-/// The WGSL expression of a binary op on the expressions `l` and `r`.
+/// WGSL tests and constructions on the bits of an `f32` expression.
+///
+/// WGSL lets compilers assume that NaN and infinities never occur, and drivers
+/// do: lavapipe folds `x - x` to 0 and `x != x` to false, and `max`, `min` and
+/// `clamp` drop NaN. So every special case of an op is decided with integer
+/// operations on the bits, which cannot be assumed away, and special results
+/// are built from bits at run time (a NaN or infinite constant is a
+/// shader-creation error in WGSL).
+struct Bits<'a>(&'a str);
+
+impl Bits<'_> {
+    fn u32(&self) -> String {
+        format!("bitcast<u32>({})", self.0)
+    }
+
+    /// The bits without the sign.
+    fn magnitude(&self) -> String {
+        format!("({} & 0x7fffffffu)", self.u32())
+    }
+
+    fn is_nan(&self) -> String {
+        format!("({} > 0x7f800000u)", self.magnitude())
+    }
+
+    fn is_inf(&self) -> String {
+        format!("({} == 0x7f800000u)", self.magnitude())
+    }
+
+    /// +0 or -0.
+    fn is_zero(&self) -> String {
+        format!("({} == 0u)", self.magnitude())
+    }
+
+    /// The sign bit is set (negative numbers, -0, -inf, some NaNs).
+    fn sign(&self) -> String {
+        format!("({} >= 0x80000000u)", self.u32())
+    }
+
+    /// Below zero: -0 and NaNs excluded, -inf included.
+    fn is_negative(&self) -> String {
+        let u = self.u32();
+        format!("({u} > 0x80000000u && {u} <= 0xff800000u)")
+    }
+
+    fn abs(&self) -> String {
+        format!("bitcast<f32>({})", self.magnitude())
+    }
+
+    /// A NaN (made from the value, so that it is not a constant).
+    fn nan(&self) -> String {
+        format!("bitcast<f32>({} | 0x7fc00000u)", self.u32())
+    }
+}
+
+/// `t` where `cond` holds, else `f`.
+fn select(f: &str, t: &str, cond: &str) -> String {
+    format!("select({f}, {t}, {cond})")
+}
+
+/// An `f32` from the sign (`negative`) and the magnitude (`infinite`, else 0)
+/// given as WGSL conditions.
+fn signed_inf_or_zero(negative: &str, infinite: &str) -> String {
+    format!(
+        "bitcast<f32>(select(0u, 0x80000000u, {negative}) | select(0u, 0x7f800000u, {infinite}))"
+    )
+}
+
+/// The WGSL expression of a binary op on the expressions `l` and `r`, with the
+/// CPU's results for NaN, infinities and zeros (see [`Bits`]).
 pub(crate) fn binary_wgsl(op: BinaryOp, l: &str, r: &str) -> String {
-    let cmp = |c: &str| format!("select(0.0, 1.0, {l} {c} {r})");
+    let (a, b) = (Bits(l), Bits(r));
+    let either_nan = format!("{} || {}", a.is_nan(), b.is_nan());
+    // NaN where IEEE 754 says so, else the hardware's result.
+    let arithmetic = |value: String, invalid: String| {
+        select(&value, &a.nan(), &format!("{either_nan} || {invalid}"))
+    };
+    // Ordered comparisons are false, and `!=` true, when either side is NaN.
+    let cmp = |c: &str| {
+        let holds = if c == "!=" {
+            format!("{l} != {r} || {either_nan}")
+        } else {
+            format!("{l} {c} {r} && !({either_nan})")
+        };
+        select("0.0", "1.0", &holds)
+    };
     match op {
-        BinaryOp::Add => format!("{l} + {r}"),
-        BinaryOp::Sub => format!("{l} - {r}"),
-        BinaryOp::Mul => format!("{l} * {r}"),
-        BinaryOp::Div => format!("{l} / {r}"),
-        BinaryOp::Maximum => format!("max({l}, {r})"),
-        BinaryOp::Minimum => format!("min({l}, {r})"),
-        BinaryOp::Pow => format!("pow({l}, {r})"),
+        // inf + -inf
+        BinaryOp::Add => arithmetic(
+            format!("{l} + {r}"),
+            format!(
+                "({} && ({} ^ {}) == 0x80000000u)",
+                a.is_inf(),
+                a.u32(),
+                b.u32()
+            ),
+        ),
+        // inf - inf
+        BinaryOp::Sub => arithmetic(
+            format!("{l} - {r}"),
+            format!("({} && {} == {})", a.is_inf(), a.u32(), b.u32()),
+        ),
+        // 0 * inf
+        BinaryOp::Mul => arithmetic(
+            format!("{l} * {r}"),
+            format!(
+                "({} && {}) || ({} && {})",
+                a.is_inf(),
+                b.is_zero(),
+                a.is_zero(),
+                b.is_inf()
+            ),
+        ),
+        // inf / inf, 0 / 0
+        BinaryOp::Div => arithmetic(
+            format!("{l} / {r}"),
+            format!(
+                "({} && {}) || ({} && {})",
+                a.is_inf(),
+                b.is_inf(),
+                a.is_zero(),
+                b.is_zero()
+            ),
+        ),
+        BinaryOp::Maximum => select(
+            &select(&format!("max({l}, {r})"), r, &b.is_nan()),
+            l,
+            &a.is_nan(),
+        ),
+        BinaryOp::Minimum => select(
+            &select(&format!("min({l}, {r})"), r, &b.is_nan()),
+            l,
+            &a.is_nan(),
+        ),
+        BinaryOp::Pow => pow_wgsl(l, r),
         BinaryOp::Eq => cmp("=="),
         BinaryOp::Ne => cmp("!="),
         BinaryOp::Lt => cmp("<"),
@@ -40,28 +163,109 @@ pub(crate) fn binary_wgsl(op: BinaryOp, l: &str, r: &str) -> String {
     }
 }
 
+/// `x ^ y` as C's `pow` (and `f32::powf`) defines it: WGSL's `pow` is only
+/// defined for `x > 0`. In order of precedence: `y = ±0` or `x = 1` give 1,
+/// `y = 1` gives `x`, then NaN propagates; `y = ±inf` gives 1 for `x = -1`, else inf or 0 by whether
+/// `|x| > 1` and `y > 0` agree; `x = ±0` or `±inf` give 0 or inf, negative when
+/// `x` is and `y` is an odd integer; a negative `x` gives NaN unless `y` is an
+/// integer, and the sign of an odd power.
+fn pow_wgsl(x: &str, y: &str) -> String {
+    let (a, b) = (Bits(x), Bits(y));
+    let y_integer = format!("(floor({y}) == {y})");
+    let y_odd = format!("({y_integer} && floor({y} * 0.5) != {y} * 0.5)");
+    let negative = format!("({} && {y_odd})", a.sign());
+    let y_positive = format!("!{}", b.sign());
+    let magnitude = format!("pow({}, {y})", a.abs());
+    let finite = select(
+        &select(&magnitude, &format!("-{magnitude}"), &negative),
+        &a.nan(),
+        &format!("({} && !{y_integer})", a.sign()),
+    );
+    let zero_or_inf_base =
+        signed_inf_or_zero(&negative, &format!("{} == {y_positive}", a.is_inf()));
+    let infinite_exponent = select(
+        &signed_inf_or_zero(
+            "false",
+            &format!("({} > 0x3f800000u) == {y_positive}", a.magnitude()),
+        ),
+        "1.0",
+        &format!("({} == 0x3f800000u)", a.magnitude()),
+    );
+    let mut e = select(
+        &finite,
+        &zero_or_inf_base,
+        &format!("{} || {}", a.is_zero(), a.is_inf()),
+    );
+    e = select(&e, &infinite_exponent, &b.is_inf());
+    e = select(&e, &a.nan(), &format!("{} || {}", a.is_nan(), b.is_nan()));
+    // Exact, where exp2(log2(x)) can round f32::MAX up to inf.
+    e = select(&e, x, &format!("({} == 0x3f800000u)", b.u32()));
+    e = select(&e, "1.0", &format!("({} == 0x3f800000u)", a.u32()));
+    select(&e, "1.0", &b.is_zero())
+}
+
 /// The WGSL expression of `op(x, s)` (in-place ops with a scalar).
 pub(crate) fn binary_expr_xs(op: BinaryOp) -> String {
     binary_wgsl(op, "x", "s")
 }
 
 /// The WGSL expression of a unary op on `x`.
-fn unary_expr(op: UnaryOp) -> String {
+pub(crate) fn unary_expr(op: UnaryOp) -> String {
     unary_wgsl(op, "x")
 }
 
-/// The WGSL expression of a unary op on the expression `x`.
+/// The WGSL expression of a unary op on the expression `x`, with the CPU's
+/// results for NaN, infinities and zeros (see [`Bits`]).
 pub(crate) fn unary_wgsl(op: UnaryOp, x: &str) -> String {
+    let a = Bits(x);
+    let plus_inf = format!("({} == 0x7f800000u)", a.u32());
+    // NaN in, NaN out.
+    let keep_nan = |value: String| select(&value, x, &a.is_nan());
+    // NaN for NaN and below zero (-0 is not).
+    let domain = |value: String| {
+        select(
+            &value,
+            &a.nan(),
+            &format!("{} || {}", a.is_nan(), a.is_negative()),
+        )
+    };
     match op {
         UnaryOp::Neg => format!("-{x}"),
-        UnaryOp::Exp => format!("exp({x})"),
-        UnaryOp::Log => format!("log({x})"),
-        UnaryOp::Sqrt => format!("sqrt({x})"),
-        UnaryOp::Abs => format!("abs({x})"),
-        UnaryOp::Relu => format!("max({x}, 0.0)"),
-        UnaryOp::Sigmoid => format!("1.0 / (1.0 + exp(-{x}))"),
+        UnaryOp::Exp => keep_nan(select(
+            &format!("exp({x})"),
+            &signed_inf_or_zero("false", &format!("!{}", a.sign())),
+            &a.is_inf(),
+        )),
+        // log(±0) = -inf, log(inf) = inf.
+        UnaryOp::Log => domain(select(
+            &select(&format!("log({x})"), x, &plus_inf),
+            &signed_inf_or_zero("true", "true"),
+            &a.is_zero(),
+        )),
+        // sqrt(±0) = ±0, sqrt(inf) = inf.
+        UnaryOp::Sqrt => domain(select(
+            &format!("sqrt({x})"),
+            x,
+            &format!("{} || {plus_inf}", a.is_zero()),
+        )),
+        UnaryOp::Abs => a.abs(),
+        // -0 stays -0, like `if x < 0 { 0 } else { x }` on the CPU.
+        UnaryOp::Relu => select(x, "0.0", &a.is_negative()),
+        // e^-|x| never overflows; ±inf give exactly 1 and 0.
+        UnaryOp::Sigmoid => {
+            let e = format!("exp(-{})", a.abs());
+            keep_nan(select(
+                &select(
+                    &format!("1.0 / (1.0 + {e})"),
+                    &format!("{e} / (1.0 + {e})"),
+                    &a.sign(),
+                ),
+                &select("1.0", "0.0", &a.sign()),
+                &a.is_inf(),
+            ))
+        }
         // tanh is exactly +-1 in f32 beyond |x| = 9; clamping avoids inf / inf.
-        UnaryOp::Tanh => format!("tanh(clamp({x}, -10.0, 10.0))"),
+        UnaryOp::Tanh => keep_nan(format!("tanh(clamp({x}, -10.0, 10.0))")),
     }
 }
 

@@ -1,6 +1,6 @@
 //! Tensor ops: record-time validation, then one node per op.
 
-use super::gpu_ops::binary_expr_xs;
+use super::gpu_ops::{binary_expr_xs, unary_expr};
 use super::kernels::{self, BinaryOp, ReduceOp, UnaryOp};
 use super::{Data, Shape, Tensor};
 use crate::device::Device;
@@ -536,7 +536,7 @@ impl Tensor {
             "relu_",
             Location::caller(),
             Update::ReadModifyWrite,
-            ("max(x, 0.0)", 0.0),
+            (&unary_expr(UnaryOp::Relu), 0.0),
             |a| kernels::unary_inplace(UnaryOp::Relu, a),
         )
     }
