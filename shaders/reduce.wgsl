@@ -95,11 +95,12 @@ fn main(
             result = result / f32(len);
         } else if (KIND == 4u) {
             result = f32(idxs[0]);
-        } else if (KIND > 1u && len == 0u) {
-            result = bitcast<f32>(0x7fc00000u);
         }
-        if (KIND == 4u && len == 0u) {
-            result = bitcast<f32>(0x7fc00000u);
+        if (KIND != 0u && len == 0u) {
+            // No elements: the mean is NaN (max, min and argmax of nothing are
+            // rejected when recorded). Built from `len` at run time, since a
+            // NaN constant is a shader-creation error.
+            result = bitcast<f32>(len | 0x7fc00000u);
         }
         out[o] = result;
     }

@@ -231,13 +231,13 @@ fn reductions_match_the_cpu(device: Device) {
         let what = |op: &str| format!("{op} {dims:?}");
         same_on(device, &what("sum"), &[&x], |t| t[0].sum(), 1e-4);
         same_on(device, &what("mean"), &[&x], |t| t[0].mean(), 1e-4);
-        same_on(device, &what("max"), &[&x], |t| t[0].max(), 0.0);
-        same_on(device, &what("min"), &[&x], |t| t[0].min(), 0.0);
+        same_on(device, &what("max"), &[&x], |t| t[0].max().unwrap(), 0.0);
+        same_on(device, &what("min"), &[&x], |t| t[0].min().unwrap(), 0.0);
         same_on(
             device,
             &what("argmax"),
             &[&x],
-            |t| t[0].argmax(),
+            |t| t[0].argmax().unwrap(),
             0.0,
         );
         for axis in 0..dims.len() {
@@ -285,7 +285,7 @@ fn reductions_match_the_cpu(device: Device) {
         device,
         "argmax ties",
         &[&ties],
-        |t| t[0].argmax(),
+        |t| t[0].argmax().unwrap(),
         0.0,
     );
     let nan = Tensor::from_vec_in(&e, vec![1.0, f32::NAN, 3.0], [3]).unwrap();
@@ -293,18 +293,98 @@ fn reductions_match_the_cpu(device: Device) {
         device,
         "max with NaN",
         &[&nan],
-        |t| t[0].max(),
+        |t| t[0].max().unwrap(),
         0.0,
     );
     same_on(
         device,
         "argmax with NaN",
         &[&nan],
-        |t| t[0].argmax(),
+        |t| t[0].argmax().unwrap(),
         0.0,
     );
 }
 device_test!(reductions_match_the_cpu);
+
+/// Asserts that `result` is the record-time error of reducing `dims` with `op`,
+/// recorded at `line` of this file.
+#[track_caller]
+fn assert_no_identity(result: lazyflow::Result<Tensor>, op: &str, dims: &[usize], line: u32) {
+    let err = result.expect_err("a reduction with no identity over nothing");
+    let message = err.to_string();
+    match &err {
+        Error::InvalidArgument {
+            op: got,
+            shape,
+            reason,
+            location,
+        } => {
+            assert_eq!(*got, op, "{message}");
+            assert_eq!(*shape, format!("{dims:?}"), "{message}");
+            assert!(reason.contains("no identity"), "{message}");
+            assert_eq!(
+                (location.file(), location.line()),
+                (file!(), line),
+                "{message}"
+            );
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    assert!(
+        message.contains(op) && message.contains(&format!("{dims:?}")),
+        "{message}"
+    );
+}
+
+/// max, min and argmax have no identity: over no elements (all of an empty
+/// tensor, or an axis of length 0) they are an error at the call, as in numpy,
+/// not a NaN. The sum of nothing is 0 and its mean NaN, on every device.
+fn reductions_without_identity_reject_empty_tensors(device: Device) {
+    let e = engine(Mode::Lazy);
+    for dims in [&[0usize][..], &[0, 3], &[3, 0], &[2, 0, 4]] {
+        let x = Tensor::zeros_in(&e, dims).to(device).unwrap();
+        let (line, r) = (line!(), x.max());
+        assert_no_identity(r, "max", dims, line);
+        let (line, r) = (line!(), x.min());
+        assert_no_identity(r, "min", dims, line);
+        let (line, r) = (line!(), x.argmax());
+        assert_no_identity(r, "argmax", dims, line);
+        assert_eq!(x.sum().item().unwrap(), 0.0, "sum of {dims:?} on {device}");
+        assert!(
+            x.mean().item().unwrap().is_nan(),
+            "mean of {dims:?} on {device}"
+        );
+        for axis in 0..dims.len() {
+            let mut out = dims.to_vec();
+            out.remove(axis);
+            let n: usize = out.iter().product();
+            let what = format!("axis {axis} of {dims:?} on {device}");
+            if dims[axis] == 0 {
+                let (line, r) = (line!(), x.max_axis(axis));
+                assert_no_identity(r, "max", dims, line);
+                let (line, r) = (line!(), x.min_axis(axis));
+                assert_no_identity(r, "min", dims, line);
+                let (line, r) = (line!(), x.argmax_axis(axis));
+                assert_no_identity(r, "argmax", dims, line);
+                let sum = x.sum_axis(axis).unwrap();
+                assert_eq!(sum.to_vec().unwrap(), vec![0.0; n], "sum {what}");
+                let mean = x.mean_axis(axis).unwrap().to_vec().unwrap();
+                assert!(mean.len() == n && mean.iter().all(|m| m.is_nan()), "{what}");
+            } else {
+                // Elements along the axis but none in the result: fine.
+                for r in [x.max_axis(axis), x.min_axis(axis), x.argmax_axis(axis)] {
+                    let r = r.unwrap();
+                    assert_eq!(r.dims(), out.as_slice(), "{what}");
+                    assert_eq!(r.to_vec().unwrap(), Vec::<f32>::new(), "{what}");
+                }
+            }
+        }
+    }
+    // Nothing was recorded for the rejected calls, and nothing failed.
+    e.wait_all().unwrap();
+    assert_eq!(e.stats().failed, 0);
+}
+device_test!(reductions_without_identity_reject_empty_tensors);
 
 fn matmul_matches_the_cpu(device: Device) {
     let e = engine(Mode::Lazy);

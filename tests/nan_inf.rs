@@ -686,9 +686,9 @@ fn reduce_ops() -> Vec<(&'static str, ReduceAll, ReduceAxis)> {
     vec![
         ("sum", |t| Ok(t.sum()), Tensor::sum_axis),
         ("mean", |t| Ok(t.mean()), Tensor::mean_axis),
-        ("max", |t| Ok(t.max()), Tensor::max_axis),
-        ("min", |t| Ok(t.min()), Tensor::min_axis),
-        ("argmax", |t| Ok(t.argmax()), Tensor::argmax_axis),
+        ("max", Tensor::max, Tensor::max_axis),
+        ("min", Tensor::min, Tensor::min_axis),
+        ("argmax", Tensor::argmax, Tensor::argmax_axis),
     ]
 }
 

@@ -565,7 +565,13 @@ fn reductions_over_all_elements_and_each_axis_match_loops() {
         let v = data(numel(&shape), seed);
         let x = tensor(&e, v.clone(), &shape);
 
-        let all = [x.sum(), x.mean(), x.max(), x.min(), x.argmax()];
+        let all = [
+            x.sum(),
+            x.mean(),
+            x.max().unwrap(),
+            x.min().unwrap(),
+            x.argmax().unwrap(),
+        ];
         let want = ref_reduce(&v);
         for (i, t) in all.iter().enumerate() {
             assert_eq!(t.dims(), &[] as &[usize], "reduction {i} is a scalar");
@@ -612,9 +618,13 @@ fn reduction_hand_values_and_tie_rules() {
     let a = tensor(&e, vec![1.0, 5.0, 2.0, 5.0, -7.0], &[5]);
     assert_eq!(a.sum().item().unwrap(), 6.0);
     assert_eq!(a.mean().item().unwrap(), 1.2);
-    assert_eq!(a.max().item().unwrap(), 5.0);
-    assert_eq!(a.min().item().unwrap(), -7.0);
-    assert_eq!(a.argmax().item().unwrap(), 1.0, "first of the tied maxima");
+    assert_eq!(a.max().unwrap().item().unwrap(), 5.0);
+    assert_eq!(a.min().unwrap().item().unwrap(), -7.0);
+    assert_eq!(
+        a.argmax().unwrap().item().unwrap(),
+        1.0,
+        "first of the tied maxima"
+    );
 
     let m = tensor(&e, vec![1.0, 3.0, 3.0, 3.0, 3.0, 1.0], &[2, 3]);
     // Column 1 ties (3 vs 3): the first row wins.
@@ -661,6 +671,27 @@ fn reductions_of_empty_tensors() {
     let s1 = z.sum_axis(1).unwrap();
     assert_eq!(s1.dims(), &[0]);
     assert!(s1.to_vec().unwrap().is_empty());
+    // No identity: an error at the call, as numpy raises (not a NaN).
+    for (name, all, along0) in [
+        ("max", z.max(), z.max_axis(0)),
+        ("min", z.min(), z.min_axis(0)),
+        ("argmax", z.argmax(), z.argmax_axis(0)),
+    ] {
+        for r in [all, along0] {
+            match r {
+                Err(Error::InvalidArgument {
+                    op, shape, reason, ..
+                }) => {
+                    assert_eq!((op, shape.as_str()), (name, "[0, 3]"));
+                    assert!(reason.contains("no identity"), "{reason}");
+                }
+                other => panic!("{name} of [0, 3]: expected an error, got {other:?}"),
+            }
+        }
+    }
+    // Along the axis of length 3 there is nothing to reduce: an empty result.
+    assert_eq!(z.max_axis(1).unwrap().dims(), &[0]);
+    assert!(z.argmax_axis(1).unwrap().to_vec().unwrap().is_empty());
 }
 
 // ----- matmul ---------------------------------------------------------------------

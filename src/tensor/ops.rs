@@ -557,6 +557,35 @@ impl Tensor {
         })
     }
 
+    /// A reduction that has no value for no elements (max, min, argmax): over
+    /// nothing it is an error when recorded, as in numpy, rather than a NaN.
+    fn reduce_nonempty_at(
+        &self,
+        op: ReduceOp,
+        axis: Option<usize>,
+        location: Location,
+    ) -> Result<Tensor> {
+        let empty = match axis {
+            None => (self.numel() == 0).then(|| "no elements".to_string()),
+            Some(axis) => {
+                check_axis(op.name(), &self.shape, axis, location)?;
+                (self.dims()[axis] == 0).then(|| format!("axis {axis} has no elements"))
+            }
+        };
+        if let Some(what) = empty {
+            return Err(arg_err(
+                op.name(),
+                &self.shape,
+                format!("{what} to reduce, and {} has no identity", op.name()),
+                location,
+            ));
+        }
+        match axis {
+            None => Ok(self.reduce_all_at(op, location)),
+            Some(axis) => self.reduce_axis_at(op, axis, location),
+        }
+    }
+
     fn reduce_axis_at(&self, op: ReduceOp, axis: usize, location: Location) -> Result<Tensor> {
         check_axis(op.name(), &self.shape, axis, location)?;
         let mut dims = self.dims().to_vec();
@@ -602,12 +631,50 @@ reduce_methods! {
     sum, sum_axis => Sum;
     /// Mean (NaN for no elements)
     mean, mean_axis => Mean;
+}
+
+macro_rules! reduce_nonempty_methods {
+    ($($(#[$doc:meta])* $all:ident, $axis:ident => $op:ident, $of_1_5_2:literal;)*) => {
+        impl Tensor {
+            $(
+                $(#[$doc])*
+                /// over all elements (a scalar tensor).
+                ///
+                /// A tensor without elements is an [`Error::InvalidArgument`] at
+                /// the call, as in numpy: the reduction has no identity.
+                ///
+                /// ```
+                /// use lazyflow::{Engine, Tensor};
+                /// let engine = Engine::builder().workers(1).build().unwrap();
+                /// let x = Tensor::from_vec_in(&engine, vec![1.0, 5.0, 2.0], [3]).unwrap();
+                #[doc = concat!("assert_eq!(x.", stringify!($all), "()?.item()?, ", $of_1_5_2, ");")]
+                #[doc = concat!("assert!(Tensor::zeros_in(&engine, [0]).", stringify!($all), "().is_err());")]
+                /// # Ok::<(), lazyflow::Error>(())
+                /// ```
+                #[track_caller]
+                pub fn $all(&self) -> Result<Tensor> {
+                    self.reduce_nonempty_at(ReduceOp::$op, None, Location::caller())
+                }
+
+                $(#[$doc])*
+                /// along `axis`, which is removed from the shape. An axis of
+                /// length 0 is an [`Error::InvalidArgument`] at the call.
+                #[track_caller]
+                pub fn $axis(&self, axis: usize) -> Result<Tensor> {
+                    self.reduce_nonempty_at(ReduceOp::$op, Some(axis), Location::caller())
+                }
+            )*
+        }
+    };
+}
+
+reduce_nonempty_methods! {
     /// Maximum (NaN propagates)
-    max, max_axis => Max;
+    max, max_axis => Max, "5.0";
     /// Minimum (NaN propagates)
-    min, min_axis => Min;
-    /// Index of the first maximum, as `f32`
-    argmax, argmax_axis => Argmax;
+    min, min_axis => Min, "1.0";
+    /// Index of the first maximum, as `f32` (of the first NaN if there is one)
+    argmax, argmax_axis => Argmax, "1.0";
 }
 
 impl Tensor {
