@@ -2,23 +2,30 @@
 //! mistakes found in interleavings of several frontends, tasks that record or
 //! block, backpressure and batched completion. A hang is detected by running the
 //! scenario on a separate thread with a deadline (a hung thread is leaked).
+//! Finishing is not enough: each scenario also checks what it computed against
+//! values worked out by hand, and that the barrier it ends with ran every task
+//! (counted by the tasks themselves, before any blocker could run them).
 
-use lazyflow::{Engine, Mode};
+use lazyflow::{Engine, Error, Mode};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn within(secs: u64, what: &str, f: impl FnOnce() + Send + 'static) {
+/// Runs `f` on its own thread and returns its result, failing if it takes more
+/// than `secs` (a hang) or panics (with its panic).
+fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
     let (tx, rx) = channel();
-    std::thread::spawn(move || {
-        f();
-        let _ = tx.send(());
+    let scenario = std::thread::spawn(move || {
+        let _ = tx.send(f());
     });
     match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(()) => {}
+        Ok(value) => value,
         Err(RecvTimeoutError::Timeout) => panic!("HANG: {what} did not finish in {secs} s"),
-        Err(RecvTimeoutError::Disconnected) => panic!("{what}: scenario panicked"),
+        Err(RecvTimeoutError::Disconnected) => match scenario.join() {
+            Err(panic) => std::panic::resume_unwind(panic),
+            Ok(()) => panic!("{what}: scenario ended without a result"),
+        },
     }
 }
 
@@ -36,52 +43,76 @@ fn spin_until(flag: &AtomicBool) {
 /// entering it while a frontend is stalled is demanded.
 #[test]
 fn lazy_backpressure_with_a_task_that_records_finishes() {
-    within(20, "Lazy backpressure + task that records", || {
+    let (ran, sink, vs) = within(20, "Lazy backpressure + task that records", || {
         let e = Engine::builder()
             .mode(Mode::Lazy)
             .workers(2)
             .backpressure(4, 0)
             .build()
             .unwrap();
+        let ran = Arc::new(AtomicUsize::new(0));
         let sink = e.var(0u64);
+        let mut vs = Vec::new();
         for _ in 0..12 {
             let v = e.var(0u64);
-            let (e2, sink2) = (e.clone(), sink.clone());
+            let (e2, sink2, ran2) = (e.clone(), sink.clone(), ran.clone());
             let mut t = e.task("parent");
             let w = t.write(&v);
             t.push(move || {
                 *w.write() += 1;
                 let mut c = e2.task("child");
                 let ws = c.write(&sink2);
-                c.push(move || *ws.write() += 1).unwrap();
+                c.push(move || {
+                    *ws.write() += 1;
+                    ran2.fetch_add(1, Ordering::SeqCst);
+                })
+                .unwrap();
             })
             .unwrap();
+            vs.push(v);
         }
         e.wait_all().unwrap();
+        let ran = ran.load(Ordering::SeqCst);
+        let vs: Vec<u64> = vs.iter().map(|v| v.get().unwrap()).collect();
+        (ran, sink.get().unwrap(), vs)
     });
+    assert_eq!(ran, 12, "children run by wait_all");
+    assert_eq!(sink, 12, "one increment per child");
+    assert_eq!(vs, vec![1; 12], "one increment per parent");
 }
 
 /// Same stall, with a task that only calls a blocker (which applies the inbox):
 /// the applied batch used to stay undemanded.
 #[test]
 fn lazy_backpressure_with_a_task_that_blocks_finishes() {
-    within(20, "Lazy backpressure + blocker inside task", || {
+    let (ran, vs) = within(20, "Lazy backpressure + blocker inside task", || {
         let e = Engine::builder()
             .mode(Mode::Lazy)
             .workers(2)
             .backpressure(4, 0)
             .build()
             .unwrap();
+        let ran = Arc::new(AtomicUsize::new(0));
         let z = e.var(7u64);
-        for _ in 0..12 {
-            let v = e.var(0u64);
-            let z2 = z.clone();
+        let mut vs = Vec::new();
+        for i in 0..12u64 {
+            let v = e.var(i);
+            let (z2, ran2) = (z.clone(), ran.clone());
             let mut t = e.task("reader");
             let w = t.write(&v);
-            t.push(move || *w.write() += z2.get().unwrap()).unwrap();
+            t.push(move || {
+                *w.write() += z2.get().unwrap();
+                ran2.fetch_add(1, Ordering::SeqCst);
+            })
+            .unwrap();
+            vs.push(v);
         }
         e.wait_all().unwrap();
+        let ran = ran.load(Ordering::SeqCst);
+        (ran, vs.iter().map(|v| v.get().unwrap()).collect::<Vec<_>>())
     });
+    assert_eq!(ran, 12, "readers run by wait_all");
+    assert_eq!(vs, (7..19).collect::<Vec<u64>>(), "i + 7 in the i-th Var");
 }
 
 /// Two Lazy frontends stalled together: the second to wake used to find the
@@ -89,7 +120,8 @@ fn lazy_backpressure_with_a_task_that_blocks_finishes() {
 /// to sleep now re-arms the notification.
 #[test]
 fn lazy_backpressure_wakes_every_stalled_frontend() {
-    within(20, "two Lazy frontends under backpressure", || {
+    let rounds = within(20, "two Lazy frontends under backpressure", || {
+        let mut rounds = Vec::new();
         for _round in 0..20 {
             let e = Engine::builder()
                 .mode(Mode::Lazy)
@@ -97,22 +129,47 @@ fn lazy_backpressure_wakes_every_stalled_frontend() {
                 .backpressure(8, 0)
                 .build()
                 .unwrap();
-            std::thread::scope(|s| {
-                for _ in 0..2 {
-                    let e = e.clone();
-                    s.spawn(move || {
-                        let own = e.var(0u64);
-                        for _ in 0..300 {
-                            let mut t = e.task("inc");
-                            let w = t.write(&own);
-                            t.push(move || *w.write() += 1).unwrap();
-                        }
-                    });
-                }
+            let ran = Arc::new(AtomicUsize::new(0));
+            let owns = std::thread::scope(|s| {
+                let frontends: Vec<_> = (0..2)
+                    .map(|_| {
+                        let (e, ran) = (e.clone(), ran.clone());
+                        s.spawn(move || {
+                            let own = e.var(0u64);
+                            for _ in 0..300 {
+                                let mut t = e.task("inc");
+                                let w = t.write(&own);
+                                let ran = ran.clone();
+                                t.push(move || {
+                                    *w.write() += 1;
+                                    ran.fetch_add(1, Ordering::SeqCst);
+                                })
+                                .unwrap();
+                            }
+                            own
+                        })
+                    })
+                    .collect();
+                frontends
+                    .into_iter()
+                    .map(|f| f.join().unwrap())
+                    .collect::<Vec<_>>()
             });
             e.wait_all().unwrap();
+            let ran = ran.load(Ordering::SeqCst);
+            let values: Vec<u64> = owns.iter().map(|v| v.get().unwrap()).collect();
+            rounds.push((ran, values));
         }
+        rounds
     });
+    for (round, (ran, values)) in rounds.into_iter().enumerate() {
+        assert_eq!(ran, 600, "round {round}: tasks run by wait_all");
+        assert_eq!(
+            values,
+            vec![300, 300],
+            "round {round}: increments per frontend"
+        );
+    }
 }
 
 /// `wait_all` in Lazy mode used to return while a node recorded by a task sat in
@@ -146,31 +203,46 @@ fn lazy_wait_all_runs_nodes_recorded_by_tasks() {
         "wait_all returned but the child task never ran; live_nodes now {}",
         e.stats().live_nodes
     );
+    assert_eq!(v.get().unwrap(), 1);
 }
 
 /// Same, with a full batch (64) recorded by one task: it used to enter the graph
 /// undemanded, and `wait_all` (and engine drop) hung.
 #[test]
 fn lazy_wait_all_with_a_task_recording_a_batch_finishes() {
-    within(20, "wait_all after a task recorded 64 nodes", || {
+    let (ran, sum, v) = within(20, "wait_all after a task recorded 64 nodes", || {
         let e = Engine::builder()
             .mode(Mode::Lazy)
             .workers(2)
             .build()
             .unwrap();
         let v = e.var(0u32);
-        let e2 = e.clone();
+        let sum = e.var(0u64);
+        let ran = Arc::new(AtomicUsize::new(0));
+        let (e2, sum2, ran2) = (e.clone(), sum.clone(), ran.clone());
         let mut t = e.task("parent");
         let w = t.write(&v);
         t.push(move || {
             *w.write() = 1;
-            for _ in 0..64 {
-                e2.task("child").push(|| {}).unwrap();
+            for i in 0..64u64 {
+                let mut c = e2.task("child");
+                let ws = c.write(&sum2);
+                let ran = ran2.clone();
+                c.push(move || {
+                    *ws.write() += i;
+                    ran.fetch_add(1, Ordering::SeqCst);
+                })
+                .unwrap();
             }
         })
         .unwrap();
         e.wait_all().unwrap();
+        let ran = ran.load(Ordering::SeqCst);
+        (ran, sum.get().unwrap(), v.get().unwrap())
     });
+    assert_eq!(ran, 64, "children run by wait_all");
+    assert_eq!(sum, 64 * 63 / 2, "0 + 1 + ... + 63");
+    assert_eq!(v, 1);
 }
 
 /// If the last handle was dropped between `t.read(&v)` and `push`, the Var used
@@ -206,7 +278,7 @@ fn access_declared_before_the_last_handle_is_dropped_keeps_its_dependency() {
 /// for, and the deadlock check looks at every task suspended on the thread.
 #[test]
 fn helping_blocker_runs_only_what_it_waits_for() {
-    within(20, "nested helping", || {
+    let values = within(20, "nested helping", || {
         let e = Engine::builder()
             .mode(Mode::Async)
             .workers(2)
@@ -251,8 +323,11 @@ fn helping_blocker_runs_only_what_it_waits_for() {
 
         std::thread::sleep(Duration::from_millis(100));
         go.store(true, Ordering::SeqCst);
-        assert_eq!(z.get().unwrap(), 3);
+        let z = z.get().unwrap();
+        (gv.get().unwrap(), a.get().unwrap(), y.get().unwrap(), z)
     });
+    // G writes 1, T1 adds 1, T3 adds 1, T2 copies.
+    assert_eq!(values, (1, 2, 3, 3));
 }
 
 struct Bomb;
@@ -266,7 +341,7 @@ impl Drop for Bomb {
 /// captured value used to kill the worker thread and hang its blockers.
 #[test]
 fn panicking_drop_of_a_skipped_task_is_contained() {
-    within(
+    let (err, ran, later) = within(
         20,
         "blocker after a skipped task with a panicking Drop",
         || {
@@ -276,6 +351,7 @@ fn panicking_drop_of_a_skipped_task_is_contained() {
                 .build()
                 .unwrap();
             let (v, out) = (e.var(0u32), e.var(0u32));
+            let skipped_ran = Arc::new(AtomicBool::new(false));
             let mut t = e.task("fail");
             let w = t.write(&v);
             t.push(move || {
@@ -286,14 +362,32 @@ fn panicking_drop_of_a_skipped_task_is_contained() {
             let mut t = e.task("skipped");
             let (r, wo) = (t.read(&v), t.write(&out));
             let bomb = Bomb;
+            let ran = skipped_ran.clone();
             t.push(move || {
                 let _b = &bomb;
+                ran.store(true, Ordering::SeqCst);
                 *wo.write() = *r.read();
             })
             .unwrap();
-            assert!(out.wait_to_read().is_err());
+            let err = out.wait_to_read().unwrap_err();
+            // The worker survived: unrelated work still runs on it.
+            let later = e.var(0u32);
+            let mut t = e.task("later");
+            let w = t.write(&later);
+            t.push(move || *w.write() = 5).unwrap();
+            let later = later.get().unwrap();
+            (err, skipped_ran.load(Ordering::SeqCst), later)
         },
     );
+    match &err {
+        Error::Failed { op, message, .. } => {
+            assert_eq!(op, "fail", "the op that failed first: {err}");
+            assert!(message.contains("boom"), "{err}");
+        }
+        other => panic!("expected a failure naming `fail`, got {other:?}"),
+    }
+    assert!(!ran, "the dependent of a failed task must not run");
+    assert_eq!(later, 5);
 }
 
 /// Batched completion: A finishes, then B (independent, 2 s) used to be popped
@@ -334,13 +428,15 @@ fn finished_node_is_not_held_back_by_an_unrelated_long_task() {
         took < Duration::from_millis(500),
         "A's value waited {took:?} for unrelated task B"
     );
+    assert_eq!(b.get().unwrap(), 1, "B copies R's value");
 }
 
 /// Async, two frontends: after a drain the frontend that woke second could find
 /// the other one's new records, wait again, and never be notified.
 #[test]
 fn async_backpressure_wakes_every_stalled_frontend() {
-    within(20, "two Async frontends under backpressure", || {
+    let rounds = within(20, "two Async frontends under backpressure", || {
+        let mut rounds = Vec::new();
         for _round in 0..200 {
             let e = Engine::builder()
                 .mode(Mode::Async)
@@ -348,24 +444,46 @@ fn async_backpressure_wakes_every_stalled_frontend() {
                 .backpressure(4, 0)
                 .build()
                 .unwrap();
-            std::thread::scope(|s| {
-                for k in 0..2 {
-                    let e = e.clone();
-                    s.spawn(move || {
-                        let own = e.var(0u64);
-                        for _ in 0..(20 + k * 7) {
-                            let mut t = e.task("inc");
-                            let w = t.write(&own);
-                            t.push(move || {
-                                std::hint::black_box(());
-                                *w.write() += 1
-                            })
-                            .unwrap();
-                        }
-                    });
-                }
+            let ran = Arc::new(AtomicUsize::new(0));
+            let owns = std::thread::scope(|s| {
+                let frontends: Vec<_> = (0..2u64)
+                    .map(|k| {
+                        let (e, ran) = (e.clone(), ran.clone());
+                        s.spawn(move || {
+                            let own = e.var(0u64);
+                            for _ in 0..(20 + k * 7) {
+                                let mut t = e.task("inc");
+                                let w = t.write(&own);
+                                let ran = ran.clone();
+                                t.push(move || {
+                                    std::hint::black_box(());
+                                    *w.write() += 1;
+                                    ran.fetch_add(1, Ordering::SeqCst);
+                                })
+                                .unwrap();
+                            }
+                            own
+                        })
+                    })
+                    .collect();
+                frontends
+                    .into_iter()
+                    .map(|f| f.join().unwrap())
+                    .collect::<Vec<_>>()
             });
             e.wait_all().unwrap();
+            let ran = ran.load(Ordering::SeqCst);
+            let values: Vec<u64> = owns.iter().map(|v| v.get().unwrap()).collect();
+            rounds.push((ran, values));
         }
+        rounds
     });
+    for (round, (ran, values)) in rounds.into_iter().enumerate() {
+        assert_eq!(ran, 20 + 27, "round {round}: tasks run by wait_all");
+        assert_eq!(
+            values,
+            vec![20, 27],
+            "round {round}: increments per frontend"
+        );
+    }
 }
