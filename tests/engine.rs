@@ -310,8 +310,10 @@ fn mixing_engines_is_an_error() {
     assert!(matches!(ta.add(&tb), Err(Error::EngineMismatch { .. })));
 }
 
+/// Settings given in code (the environment is read in `builder_env.rs`, alone in
+/// its process).
 #[test]
-fn builder_validates_and_reads_the_environment() {
+fn builder_validates_its_settings() {
     assert!(matches!(
         Engine::builder().workers(0).build(),
         Err(Error::Config(_))
@@ -326,7 +328,6 @@ fn builder_validates_and_reads_the_environment() {
     ));
     assert!("fast".parse::<Mode>().is_err());
     assert_eq!("ASYNC".parse::<Mode>().unwrap(), Mode::Async);
-    // Explicit settings win over the environment.
     let e = Engine::builder()
         .mode(Mode::Sync)
         .workers(3)
