@@ -359,13 +359,27 @@ fn dot_export_shows_pending_nodes() {
 #[test]
 fn an_allocation_failure_fails_the_node_instead_of_aborting() {
     let e = engine(Mode::Lazy, 2);
-    // 64 GiB: more than this machine class has; the allocation is refused.
-    let huge = Tensor::zeros_in(&e, [1usize << 34]);
+    // About isize::MAX bytes (8 EiB), the most one allocation may ask for: no
+    // machine has that much memory or address space, with overcommit or not, so
+    // the allocator refuses it (a larger request would stop at the capacity
+    // check before reaching the allocator).
+    let n = isize::MAX as usize / 4;
+    let huge = Tensor::zeros_in(&e, [n]);
+    let line = line!() - 1;
     let err = huge.sum().item().unwrap_err();
-    assert!(
-        matches!(&err, Error::Failed { op, message, .. } if op == "zeros" && message.contains("out of memory")),
-        "{err}"
-    );
+    match &err {
+        Error::Failed {
+            op,
+            message,
+            location,
+        } => {
+            assert_eq!(op, "zeros", "{err}");
+            assert!(message.contains("out of memory"), "{err}");
+            assert!(message.contains(&n.to_string()), "{err}");
+            assert_eq!((location.file(), location.line()), (file!(), line), "{err}");
+        }
+        other => panic!("expected the failure of `zeros`, got {other:?}"),
+    }
     // Everything else goes on.
     assert_eq!(Tensor::ones_in(&e, [3]).sum().item().unwrap(), 3.0);
 }
