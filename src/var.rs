@@ -385,6 +385,13 @@ impl<T> Var<T> {
         Ok(f(&self.inner.storage.read()))
     }
 
+    /// Reads the value without waiting or counting a blocker: for callers that
+    /// have just waited for it (the storage lock orders it with any later
+    /// writer that already started).
+    pub(crate) fn peek<R>(&self, f: impl FnOnce(&T) -> R) -> R {
+        f(&self.inner.storage.read())
+    }
+
     /// Implicit blocker: waits for the value and returns a copy of it.
     pub fn get(&self) -> Result<T>
     where

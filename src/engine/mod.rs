@@ -877,7 +877,7 @@ impl Shared {
             if let Some(&n) = running.iter().rev().find(|n| ancestors.contains(n)) {
                 return Err(deadlock_error(
                     st.graph.meta(n),
-                    "is the task that waits, or suspended under it on the same thread",
+                    "would wait on its own output: it is the task that waits, or one suspended under it on the same thread",
                 ));
             }
             // Nor can one whose finish needs, through blockers inside tasks on

@@ -196,7 +196,7 @@ fn encode_group(gpu: &Gpu, group: &Group) -> Result<(), String> {
     if n == 0 || !written.iter().any(|w| *w) {
         return Ok(());
     }
-    let (source, info) = generate(&group, &written);
+    let (source, info) = generate(group, &written);
     let leaf_guards: Vec<_> = group.leaves.iter().map(|l| l.read()).collect();
     let out_guards: Vec<_> = group
         .ops

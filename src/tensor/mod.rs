@@ -365,7 +365,7 @@ impl Tensor {
             // The value itself may come from a batch that failed.
             if self.numel() > 0 {
                 self.var
-                    .with(|d| d.gpu().and_then(|b| b.check()))?
+                    .peek(|d| d.gpu().and_then(|b| b.check()))
                     .map_err(failed)?;
             }
         }
