@@ -2,23 +2,13 @@
 //! deadline (a hung thread is leaked and the test fails), and checks the values
 //! it computed as well as the errors it got.
 
+mod common;
+
+use common::within;
 use lazyflow::{Engine, Error, Mode};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::mpsc::{channel, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-fn within<R: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(r) => r,
-        Err(RecvTimeoutError::Timeout) => panic!("HANG: {what} did not finish in {secs} s"),
-        Err(RecvTimeoutError::Disconnected) => panic!("{what}: scenario panicked"),
-    }
-}
 
 /// Waits for `flag` for at most `secs`; whether it was seen.
 fn wait_flag(flag: &AtomicBool, secs: u64) -> bool {

@@ -6,28 +6,13 @@
 //! values worked out by hand, and that the barrier it ends with ran every task
 //! (counted by the tasks themselves, before any blocker could run them).
 
+mod common;
+
+use common::within;
 use lazyflow::{Engine, Error, Mode};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Runs `f` on its own thread and returns its result, failing if it takes more
-/// than `secs` (a hang) or panics (with its panic).
-fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = channel();
-    let scenario = std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(value) => value,
-        Err(RecvTimeoutError::Timeout) => panic!("HANG: {what} did not finish in {secs} s"),
-        Err(RecvTimeoutError::Disconnected) => match scenario.join() {
-            Err(panic) => std::panic::resume_unwind(panic),
-            Ok(()) => panic!("{what}: scenario ended without a result"),
-        },
-    }
-}
 
 fn spin_until(flag: &AtomicBool) {
     let t = Instant::now();

@@ -469,17 +469,23 @@ impl Shared {
         self.retiring.store(true, Ordering::SeqCst);
         st.global_demand += 1;
         self.apply_inbox(&mut st);
-        let mut pushed = 0;
-        st.graph.demand_all(&mut |r| {
-            sched::publish(self, r);
-            pushed += 1;
-        });
-        self.sleep.wake(pushed);
+        self.demand_all(&mut st);
         self.check_drained(&mut st);
         drop(st);
         if !sched::on_any_worker() {
             let _ = self.wait_all();
         }
+    }
+
+    /// Demands every node in the graph and hands out the ready ones.
+    fn demand_all(&self, st: &mut Locked) {
+        let mut pushed = 0;
+        st.graph.demand_all(&mut |r| {
+            sched::publish(self, r);
+            pushed += 1;
+        });
+        st.tally.flushes += 1;
+        self.sleep.wake(pushed);
     }
 
     /// While retiring, lets the workers exit once nothing is left to run.
@@ -752,13 +758,7 @@ impl Shared {
             .fetch_add(1, Ordering::Relaxed);
         let lazy = self.config.mode == Mode::Lazy;
         if lazy {
-            let mut pushed = 0;
-            st.graph.demand_all(&mut |r| {
-                sched::publish(self, r);
-                pushed += 1;
-            });
-            st.tally.flushes += 1;
-            self.sleep.wake(pushed);
+            self.demand_all(&mut st);
             st.global_demand += 1;
         }
         st.bp_waiters += 1;
@@ -945,13 +945,7 @@ impl Shared {
         }
         st.global_demand += 1;
         self.apply_inbox(&mut st);
-        let mut pushed = 0;
-        st.graph.demand_all(&mut |r| {
-            sched::publish(self, r);
-            pushed += 1;
-        });
-        st.tally.flushes += 1;
-        self.sleep.wake(pushed);
+        self.demand_all(&mut st);
         st.all_waiters += 1;
         loop {
             // Whatever entered the inbox meanwhile is part of the barrier too.

@@ -15,7 +15,30 @@
 #![allow(dead_code)]
 
 use lazyflow::{Device, Engine};
+use std::sync::mpsc::{channel, RecvTimeoutError};
 use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Runs `f` on its own thread and returns its result, failing if it takes more
+/// than `secs` (a hang: the hung thread is leaked) or panics (with its panic).
+pub fn within<T: Send + 'static>(
+    secs: u64,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = channel();
+    let scenario = std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(value) => value,
+        Err(RecvTimeoutError::Timeout) => panic!("HANG: {what} did not finish in {secs} s"),
+        Err(RecvTimeoutError::Disconnected) => match scenario.join() {
+            Err(panic) => std::panic::resume_unwind(panic),
+            Ok(()) => panic!("{what}: scenario ended without a result"),
+        },
+    }
+}
 
 /// Whether the environment demands a GPU (`LAZYFLOW_REQUIRE_GPU=1`).
 pub fn gpu_required() -> bool {
