@@ -336,6 +336,45 @@ struct Batch {
     dispatches: usize,
     /// The fate of what is encoded into `encoder`.
     fate: Arc<Fate>,
+    /// Which ops wrote in this batch, for the failure message.
+    writers: Writers,
+}
+
+/// The first few ops that wrote in a batch or group, and how many more.
+#[derive(Default)]
+pub(crate) struct Writers {
+    first: SmallVec<[(&'static str, Location); 3]>,
+    more: usize,
+}
+
+impl Writers {
+    /// Notes the op running on this thread.
+    pub(crate) fn note(&mut self) {
+        let Some(op) = crate::sched::current_op() else {
+            return;
+        };
+        if self.first.iter().any(|w| w.0 == op.0 && w.1 == op.1) {
+            return;
+        }
+        if self.first.len() < self.first.inline_size() {
+            self.first.push(op);
+        } else {
+            self.more += 1;
+        }
+    }
+}
+
+impl std::fmt::Display for Writers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (op, location)) in self.first.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            write!(f, "{sep}{op} (recorded at {location})")?;
+        }
+        if self.more > 0 {
+            write!(f, " and {} more", self.more)?;
+        }
+        Ok(())
+    }
 }
 
 /// One logical GPU device.
@@ -506,6 +545,7 @@ impl Gpu {
                 encoder: None,
                 dispatches: 0,
                 fate: Fate::new(),
+                writers: Writers::default(),
             }),
             pipelines: Mutex::new(HashMap::new()),
             max_binding: limits
@@ -638,6 +678,7 @@ impl Gpu {
         let encoder = self.encoder(&mut batch);
         encoder.copy_buffer_to_buffer(&staging, 0, out.raw(), 0, bytes.len() as u64);
         out.stamp(SmallVec::from_elem(batch.fate.clone(), 1));
+        batch.writers.note();
         Ok(out)
     }
 
@@ -821,6 +862,7 @@ impl Gpu {
         if !lineage.iter().any(|f| Arc::ptr_eq(f, &batch.fate)) {
             lineage.push(batch.fate.clone());
         }
+        batch.writers.note();
         for &w in writes {
             buffers[w].stamp(lineage.clone());
         }
@@ -847,6 +889,7 @@ impl Gpu {
         self.encoder(&mut batch)
             .copy_buffer_to_buffer(src.raw(), 0, dst.raw(), 0, size);
         lineage.push(batch.fate.clone());
+        batch.writers.note();
         dst.stamp(lineage);
         Ok(())
     }
@@ -894,6 +937,7 @@ impl Gpu {
             return Ok(None);
         };
         let fate = std::mem::replace(&mut batch.fate, Fate::new());
+        let writers = std::mem::take(&mut batch.writers);
         let submitted = self.check_lost().and_then(|()| {
             self.injected(GpuFault::Submit)?;
             self.scoped(|| self.queue.submit([encoder.finish()]))
@@ -905,7 +949,9 @@ impl Gpu {
                 Ok(Some(index))
             }
             Err(e) => {
-                let message = format!("submitting a command buffer failed: {e}");
+                let message = format!(
+                    "submitting the command buffer that held the work of {writers} failed: {e}"
+                );
                 fate.fail(message.clone());
                 self.note_failure(message.clone());
                 Err(message)

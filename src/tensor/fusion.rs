@@ -21,7 +21,7 @@
 
 use super::kernels::{BinaryOp, UnaryOp};
 use super::Data;
-use crate::device::gpu::{Fate, Gpu, GpuBuffer, Grid, Kernel, Lineage};
+use crate::device::gpu::{Fate, Gpu, GpuBuffer, Grid, Kernel, Lineage, Writers};
 use crate::var::{Read, Write};
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -71,6 +71,8 @@ struct Group {
     outputs: HashMap<usize, usize>,
     /// Fails every output if the group cannot be encoded.
     fate: std::sync::Arc<Fate>,
+    /// The ops of the group, for that failure's message.
+    writers: Writers,
 }
 
 /// The open group of one device.
@@ -127,7 +129,9 @@ impl Fuser {
             leaf_ids: HashMap::new(),
             outputs: HashMap::new(),
             fate: Fate::new(),
+            writers: Writers::default(),
         });
+        group.writers.note();
         // The output's value depends on the group and on its tensor inputs.
         let mut lineage = Lineage::new();
         lineage.push(group.fate.clone());
@@ -179,7 +183,7 @@ impl Fuser {
             // Its outputs now depend on the batch it went into.
             Ok(()) => group.fate.settle(),
             Err(e) => {
-                let message = format!("encoding a fused kernel failed: {e}");
+                let message = format!("encoding the fused kernel of {} failed: {e}", group.writers);
                 group.fate.fail(message.clone());
                 gpu.note_failure(message);
             }
