@@ -56,8 +56,10 @@ fn the_engine_ends_with_its_last_handle_and_recorded_work_still_runs() {
         assert!(!ran.load(Ordering::SeqCst), "Lazy: nothing demanded it yet");
         assert!(threads() >= baseline + 2);
         drop(engine);
-        // On a plain thread the drop waited for the recorded work.
+        // On a plain thread the drop waited for the recorded work, and for the
+        // workers to exit.
         assert!(ran.load(Ordering::SeqCst));
+        assert_eq!(threads(), baseline);
         // The value is still readable without an Engine handle.
         assert_eq!(x.get().unwrap(), 42);
     }
@@ -83,9 +85,7 @@ fn the_engine_ends_with_its_last_handle_and_recorded_work_still_runs() {
         .unwrap();
     }
     assert_eq!(count.load(Ordering::SeqCst), (1..=100).sum::<usize>());
-    eventually(20, "threads of 100 dropped engines exit", || {
-        threads() == baseline
-    });
+    assert_eq!(threads(), baseline, "threads of 100 dropped engines");
 
     // 3. Values outlive their engine handle: using them starts workers again,
     //    and those exit again afterwards.

@@ -39,8 +39,9 @@ use std::time::Duration;
 /// forever. Using such a value after the last handle is gone still works: its
 /// work runs at once, on workers started again for it.
 ///
-/// Dropping the last handle on a plain thread waits for the recorded work; on any
-/// engine's worker thread (inside a task) it does not block.
+/// Dropping the last handle on a plain thread waits for the recorded work and for
+/// the worker threads to exit; on any engine's worker thread (inside a task) it
+/// does not block, and the workers exit on their own once the work has run.
 ///
 /// ```
 /// use lazyflow::Engine;
@@ -127,6 +128,8 @@ pub(crate) struct Locked {
     /// The deques of workers that exited, for the ones started again (their
     /// stealers stay in `Shared::stealers`).
     idle_deques: Vec<crossbeam_deque::Worker<Work>>,
+    /// The worker threads started (joined by a retiring drop on a plain thread).
+    threads: Vec<std::thread::JoinHandle<()>>,
     /// Blockers inside tasks, for cross-thread deadlock checks: the nodes running
     /// or suspended on each waiting thread, and what that thread waits for.
     pub(crate) waits: Vec<WaitEntry>,
@@ -216,6 +219,7 @@ impl Engine {
                 retiring: false,
                 alive: 0,
                 idle_deques: locals,
+                threads: Vec::new(),
                 waits: Vec::new(),
                 next_wait: 0,
                 tally: Tally::default(),
@@ -474,6 +478,36 @@ impl Shared {
         drop(st);
         if !sched::on_any_worker() {
             let _ = self.wait_all();
+            self.join_retired_workers();
+        }
+    }
+
+    /// On a plain thread after the last handle's barrier: waits (a little) for
+    /// the workers to exit and joins them, so that they are gone when the drop
+    /// returns. Gives up without joining if the engine is revived meanwhile or
+    /// a worker is still busy (work recorded after the barrier).
+    fn join_retired_workers(&self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        let mut st = lock(&self.state);
+        while st.retiring && st.alive > 0 {
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return;
+            }
+            st = match self.changed.wait_timeout(st, deadline - now) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        if !st.retiring {
+            return;
+        }
+        // Every worker started so far has counted itself out: their threads
+        // are ending.
+        let threads = std::mem::take(&mut st.threads);
+        drop(st);
+        for t in threads {
+            let _ = t.join();
         }
     }
 
@@ -525,7 +559,10 @@ impl Shared {
                 .name(format!("lazyflow-worker-{}", st.alive))
                 .spawn(move || sched::worker_main(shared, local));
             match spawned {
-                Ok(_) => st.alive += 1,
+                Ok(handle) => {
+                    st.alive += 1;
+                    st.threads.push(handle);
+                }
                 Err(e) => {
                     eprintln!("lazyflow: could not start a worker thread: {e}");
                     return;
@@ -549,6 +586,9 @@ impl Shared {
             st.idle_deques.push(l);
         }
         st.alive -= 1;
+        if st.alive == 0 {
+            self.changed.notify_all();
+        }
         true
     }
 
@@ -859,8 +899,14 @@ impl Shared {
         if roots.is_empty() {
             return Ok(());
         }
-        let ancestors = st.graph.ancestors(&roots);
         let borrowed = sched::borrowed_vars(self.id);
+        // Only waits that can deadlock need the walk (a frontend wait over a
+        // long Lazy chain would otherwise pay it on every blocker).
+        let ancestors = if on_worker || !borrowed.is_empty() {
+            st.graph.ancestors(&roots)
+        } else {
+            std::collections::HashSet::new()
+        };
         if !borrowed.is_empty() {
             if let Some(n) = st.graph.writer_among(&ancestors, &borrowed) {
                 return Err(deadlock_error(
