@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::device_test;
+use common::{device_test, flag, nan_max, nan_min};
 use lazyflow::{Device, Engine, Tensor};
 
 /// Inputs: NaN of both signs, both infinities, both zeros, and finite values
@@ -44,32 +44,6 @@ const VALUES: [f32; 21] = [
 const EXACT: f32 = 1e-6;
 /// Relative tolerance (plus the same absolute) of ops that GPUs approximate.
 const APPROX: f32 = 2e-4;
-
-fn flag(b: bool) -> f32 {
-    if b {
-        1.0
-    } else {
-        0.0
-    }
-}
-
-/// numpy's maximum: NaN if either operand is NaN.
-fn nan_max(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
-    } else {
-        a.max(b)
-    }
-}
-
-/// numpy's minimum: NaN if either operand is NaN.
-fn nan_min(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
-    } else {
-        a.min(b)
-    }
-}
 
 fn sigmoid(x: f32) -> f32 {
     (1.0 / (1.0 + (-(x as f64)).exp())) as f32

@@ -4,6 +4,9 @@
 //! layout ops, in-place ops and their ordering, operators, errors, random fills,
 //! printing, and the three engine modes.
 
+mod common;
+
+use common::{flag, nan_max, nan_min};
 use lazyflow::{Engine, Error, Mode, Tensor};
 
 const MODES: [Mode; 3] = [Mode::Lazy, Mode::Async, Mode::Sync];
@@ -155,30 +158,6 @@ fn assert_same(got: &[f32], want: &[f32], ctx: &str) {
             g == w || (g.is_nan() && w.is_nan()),
             "{ctx}: index {i}: got {g}, want {w}"
         );
-    }
-}
-
-fn flag(b: bool) -> f32 {
-    if b {
-        1.0
-    } else {
-        0.0
-    }
-}
-
-fn nan_max(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
-    } else {
-        a.max(b)
-    }
-}
-
-fn nan_min(a: f32, b: f32) -> f32 {
-    if a.is_nan() || b.is_nan() {
-        f32::NAN
-    } else {
-        a.min(b)
     }
 }
 

@@ -157,3 +157,30 @@ macro_rules! gpu_test {
 // Not every test file uses both.
 #[allow(unused_imports)]
 pub(crate) use {device_test, gpu_test};
+
+/// A comparison's result as the tensor ops give it: 1.0 or 0.0.
+pub fn flag(b: bool) -> f32 {
+    if b {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// numpy's maximum: NaN if either operand is NaN.
+pub fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+/// numpy's minimum: NaN if either operand is NaN.
+pub fn nan_min(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.min(b)
+    }
+}
