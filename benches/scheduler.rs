@@ -1,4 +1,5 @@
-//! Per-node cost of the engine on empty generic tasks, recording included.
+//! Per-node cost of the engine on empty generic tasks, recording included, and
+//! the cost of a blocker inside a task while many nodes are live.
 //!
 //! `cargo bench --bench scheduler` prints nodes per second (criterion's
 //! `Throughput::Elements`); the README turns the medians into ns per node next to
@@ -184,6 +185,32 @@ fn bench(c: &mut Criterion) {
             drop(outs);
             recorder.wait_all().unwrap();
             elapsed
+        })
+    });
+    // A blocker inside a task while many unrelated nodes are live: the task
+    // records a node and waits for it, 100 times. The deadlock check used to
+    // copy the whole live graph into petgraph for every such wait; it now walks
+    // the waited node's own dependencies.
+    let busy = engine(Mode::Lazy);
+    for _ in 0..20_000 {
+        let mut t = busy.task("unrelated");
+        let w = t.write(&busy.var(()));
+        t.push(move || drop(w)).unwrap();
+    }
+    g.throughput(Throughput::Elements(100));
+    g.bench_function("blocker_in_task_20k_live", |b| {
+        b.iter(|| {
+            let v = busy.var(0u32);
+            busy.task("waits")
+                .run(move || {
+                    for i in 0..100 {
+                        v.set(i).unwrap();
+                        v.wait_to_read().unwrap();
+                    }
+                })
+                .unwrap()
+                .wait()
+                .unwrap()
         })
     });
     g.finish();
