@@ -2,9 +2,10 @@
 //! the cost of a blocker inside a task while many nodes are live.
 //!
 //! `cargo bench --bench scheduler` prints nodes per second (criterion's
-//! `Throughput::Elements`); the README turns the medians into ns per node next to
-//! Taskflow 4.1's figures for the same shapes on this machine class, and next to
-//! rayon measured in the same run (`baseline/*`).
+//! `Throughput::Elements`); the README turns them into ns per node next to
+//! Taskflow's figures for the same shapes, measured alternately in the same
+//! session by `../shared/peers/taskflow/run_ab.sh`, and next to rayon measured in
+//! the same run (`baseline/*`).
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use lazyflow::{Engine, Mode, Tensor, Var};
