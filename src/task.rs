@@ -178,11 +178,10 @@ impl<'e> TaskBuilder<'e> {
             node: OnceLock::new(),
             done: OnceLock::new(),
         });
-        self.record(Task {
-            run: Box::new(move || f().map_err(|e| e.to_string())),
-            status: Some(status.clone()),
-            op: None,
-        })?;
+        self.record(
+            Box::new(move || f().map_err(|e| e.to_string())),
+            Some(status.clone()),
+        )?;
         let handle = TaskHandle { engine, status };
         if handle.engine.mode() == Mode::Sync {
             if let Some(Some(err)) = handle.status.done.get() {
@@ -195,14 +194,13 @@ impl<'e> TaskBuilder<'e> {
     /// Records the task without a handle (the cheapest way; failures surface at the
     /// blockers of the Vars it writes).
     pub fn push(self, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        self.record(Task {
-            run: Box::new(move || {
+        self.record(
+            Box::new(move || {
                 f();
                 Ok(())
             }),
-            status: None,
-            op: None,
-        })
+            None,
+        )
     }
 
     /// Like [`TaskBuilder::push`] for a closure that can fail with a message.
@@ -210,16 +208,15 @@ impl<'e> TaskBuilder<'e> {
         self,
         f: impl FnOnce() -> std::result::Result<(), String> + Send + 'static,
     ) -> Result<()> {
-        self.record(Task {
-            run: Box::new(f),
-            status: None,
-            op: None,
-        })
+        self.record(Box::new(f), None)
     }
 
     #[inline]
-    fn record(self, mut task: Task) -> Result<()> {
-        task.op = Some((self.meta.name, self.meta.location));
+    fn record(
+        self,
+        run: Box<dyn FnOnce() -> std::result::Result<(), String> + Send>,
+        status: Option<Arc<TaskStatus>>,
+    ) -> Result<()> {
         if self.mismatch {
             return Err(Error::EngineMismatch {
                 op: self.meta.name,
@@ -227,6 +224,11 @@ impl<'e> TaskBuilder<'e> {
             });
         }
         let keep = self.keep;
+        let task = Task {
+            run,
+            status,
+            op: (self.meta.name, self.meta.location),
+        };
         let recorded = self
             .engine
             .shared()

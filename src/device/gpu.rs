@@ -39,7 +39,7 @@
 use crate::error::Location;
 use smallvec::SmallVec;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -48,8 +48,8 @@ use std::time::Duration;
 #[derive(Default)]
 pub(crate) struct Fate {
     failed: OnceLock<String>,
-    /// Submitted without error: from then on only the loss of the device can
-    /// fail it.
+    /// Settled (see [`Fate::settle`]): from then on only the loss of the
+    /// device can fail it.
     submitted: AtomicBool,
 }
 
@@ -63,8 +63,9 @@ impl Fate {
         let _ = self.failed.set(message);
     }
 
-    /// Nothing can fail this fate any more by itself (a fusion group encoded
-    /// into a batch, whose own fate its outputs now carry).
+    /// Nothing can fail this fate any more by itself: a batch submitted without
+    /// error, or a fusion group encoded into a batch (whose own fate its
+    /// outputs now carry). Release: pairs with the Acquire in `settled_ok`.
     pub(crate) fn settle(&self) {
         self.submitted.store(true, Ordering::Release);
     }
@@ -404,8 +405,9 @@ pub(crate) struct Gpu {
     timeout: Duration,
     /// Batch failures not yet reported by `wait_all`.
     failures: Mutex<Vec<String>>,
-    /// A failure injected by a test.
-    fault: Mutex<Option<GpuFault>>,
+    /// A failure injected by a test (`GpuFault as u8 + 1`, 0 for none): one
+    /// atomic load on the paths it can fail, no lock.
+    fault: AtomicU8,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -563,7 +565,7 @@ impl Gpu {
             lost,
             timeout,
             failures: Mutex::new(Vec::new()),
-            fault: Mutex::new(None),
+            fault: AtomicU8::new(0),
         })
     }
 
@@ -738,7 +740,15 @@ impl Gpu {
         grid: Grid,
     ) -> Result<(), String> {
         self.encode_fused()?;
-        self.dispatch_unfused(kernel, spec, buffers, info, grid)
+        // Where the op kernels of `shaders/` write: the in-place ones their
+        // first binding, the others their last. (The fuser and user kernels name
+        // their outputs through `dispatch_writing`.)
+        let last = buffers.len().saturating_sub(1);
+        let writes = match kernel {
+            Kernel::Inplace | Kernel::InplaceMap => [0],
+            _ => [last],
+        };
+        self.dispatch_writing(kernel, spec, buffers, &writes, info, grid)
     }
 
     /// Storage buffers one kernel may bind.
@@ -767,27 +777,9 @@ impl Gpu {
         self.check_lost()
     }
 
-    /// [`Gpu::dispatch`] without encoding the fusion group first (called by the
-    /// fuser itself, under its lock).
-    pub(crate) fn dispatch_unfused(
-        &self,
-        kernel: Kernel,
-        spec: &str,
-        buffers: &[&GpuBuffer],
-        info: &[u32],
-        grid: Grid,
-    ) -> Result<(), String> {
-        // Where each op kernel writes (see `shaders/`); user kernels say.
-        let writes: SmallVec<[usize; 4]> = match kernel {
-            Kernel::Inplace | Kernel::InplaceMap => SmallVec::from_elem(0, 1),
-            Kernel::User => (0..buffers.len()).collect(),
-            _ => (buffers.len().saturating_sub(1)..buffers.len()).collect(),
-        };
-        self.dispatch_writing(kernel, spec, buffers, &writes, info, grid)
-    }
-
-    /// Encodes one kernel that writes `buffers[writes]` (and reads the rest).
-    /// The outputs are stamped with the batch they were encoded into and the
+    /// Encodes one kernel that writes `buffers[writes]` (and reads the rest),
+    /// without encoding the fusion group first (the fuser calls it under its
+    /// lock). The outputs are stamped with the batch they were encoded into and the
     /// open or failed fates of every bound buffer.
     pub(crate) fn dispatch_writing(
         &self,
@@ -800,9 +792,9 @@ impl Gpu {
     ) -> Result<(), String> {
         self.check_lost()?;
         let mut lineage = Lineage::new();
+        // An overwrite (`fill_`) does not depend on the old value.
+        let overwrite = kernel == Kernel::InplaceMap && spec == "s";
         for (i, b) in buffers.iter().enumerate() {
-            // An overwrite (`fill_`) does not depend on the old value.
-            let overwrite = kernel == Kernel::InplaceMap && spec == "s";
             if !(overwrite && writes.contains(&i)) {
                 b.lineage_into(&mut lineage);
             }
@@ -944,8 +936,7 @@ impl Gpu {
         });
         match submitted {
             Ok(index) => {
-                // Release: pairs with the Acquire in `Fate::settled_ok`.
-                fate.submitted.store(true, Ordering::Release);
+                fate.settle();
                 Ok(Some(index))
             }
             Err(e) => {
@@ -1033,16 +1024,22 @@ impl Gpu {
             self.device.destroy();
             return;
         }
-        *lock(&self.fault) = Some(fault);
+        self.fault.store(fault as u8 + 1, Ordering::Release);
     }
 
     /// `Err` if `point` is the armed injected failure (which it disarms).
+    #[inline]
     fn injected(&self, point: GpuFault) -> Result<(), String> {
-        let mut fault = lock(&self.fault);
-        if *fault == Some(point) {
-            *fault = None;
-            return Err(format!("injected {point:?} failure"));
+        if self.fault.load(Ordering::Relaxed) == 0 {
+            return Ok(());
         }
-        Ok(())
+        let armed = point as u8 + 1;
+        match self
+            .fault
+            .compare_exchange(armed, 0, Ordering::AcqRel, Ordering::Relaxed)
+        {
+            Ok(_) => Err(format!("injected {point:?} failure")),
+            Err(_) => Ok(()),
+        }
     }
 }

@@ -30,10 +30,11 @@ impl std::str::FromStr for Mode {
     }
 }
 
-/// Default GPU timeout: ten minutes, long enough for the largest product the
-/// benchmarks run on a software GPU (a 4096 x 4096 matmul, one wait, takes about
-/// 20 s on lavapipe on two AVX-512 cores and about 200 s on two AVX2 cores,
-/// where lavapipe reaches 0.7 GFLOP/s), and still an end to a hung kernel.
+/// Default GPU timeout: ten minutes. One wait may cover a 4096 x 4096 matmul
+/// (137 GFLOP) on a software GPU: at the 6.7 GFLOP/s lavapipe reached on two
+/// AVX-512 cores that is about 20 s, at the 0.7 GFLOP/s (1000 x 1000 products)
+/// it reached on two AVX2 cores about 200 s (estimated from those rates, not
+/// timed); ten minutes leaves room for that and still ends a hung kernel.
 pub const DEFAULT_GPU_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Default backpressure high mark (recorded, unfinished nodes).

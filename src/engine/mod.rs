@@ -908,7 +908,7 @@ impl Shared {
             std::collections::HashSet::new()
         };
         if !borrowed.is_empty() {
-            if let Some(n) = st.graph.writer_among(&ancestors, &borrowed) {
+            if let Some(n) = st.graph.writer_among(ancestors.iter().copied(), &borrowed) {
                 return Err(deadlock_error(
                     st.graph.meta(n),
                     "writes a Var that this thread is reading in Var::with",
@@ -981,8 +981,7 @@ impl Shared {
         let borrowed = sched::borrowed_vars(self.id);
         if !borrowed.is_empty() {
             self.apply_inbox(&mut st);
-            let all: std::collections::HashSet<NodeId> = st.graph.node_ids().collect();
-            if let Some(n) = st.graph.writer_among(&all, &borrowed) {
+            if let Some(n) = st.graph.writer_among(st.graph.node_ids(), &borrowed) {
                 return Err(deadlock_error(
                     st.graph.meta(n),
                     "writes a Var that this thread is reading in Var::with",

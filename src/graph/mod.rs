@@ -396,10 +396,10 @@ impl<J> Graph<J> {
     /// The first of `nodes` that writes one of `vars`.
     pub(crate) fn writer_among(
         &self,
-        nodes: &std::collections::HashSet<NodeId>,
+        nodes: impl IntoIterator<Item = NodeId>,
         vars: &[VarId],
     ) -> Option<NodeId> {
-        nodes.iter().copied().find(|&n| {
+        nodes.into_iter().find(|&n| {
             self.nodes
                 .get(n)
                 .is_some_and(|node| node.writes.iter().any(|w| vars.contains(w)))

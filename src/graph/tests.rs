@@ -127,8 +127,8 @@ fn ancestors_walk_the_dependency_lists() {
     let an = g.ancestors(&[d]);
     assert_eq!(an, [a, b, d].into_iter().collect());
     assert!(!an.contains(&c));
-    assert_eq!(g.writer_among(&an, &[x]), Some(a));
-    assert_eq!(g.writer_among(&an, &[z]), None);
+    assert_eq!(g.writer_among(an.iter().copied(), &[x]), Some(a));
+    assert_eq!(g.writer_among(an.iter().copied(), &[z]), None);
     // Finished nodes leave the walk.
     g.demand(&[a], &mut |_| {});
     g.complete(a, Outcome::Done, &mut |_| {});

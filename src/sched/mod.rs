@@ -26,7 +26,7 @@ pub(crate) struct Task {
     pub(crate) status: Option<Arc<crate::task::TaskStatus>>,
     /// The op's name and where it was recorded, for what it writes (GPU
     /// buffers name their writer in later errors).
-    pub(crate) op: Option<(&'static str, Location)>,
+    pub(crate) op: (&'static str, Location),
 }
 
 /// A ready node on its way to a worker.
@@ -281,7 +281,7 @@ fn execute(work: Work) -> (Outcome, Option<Arc<crate::task::TaskStatus>>) {
         return (Outcome::Skipped(err), status);
     }
     RUNNING.with(|r| r.borrow_mut().push(node));
-    let outer = CURRENT_OP.with(|c| c.replace(op));
+    let outer = CURRENT_OP.with(|c| c.replace(Some(op)));
     let result = catch_unwind(AssertUnwindSafe(run));
     CURRENT_OP.with(|c| c.set(outer));
     RUNNING.with(|r| r.borrow_mut().pop());
