@@ -51,7 +51,7 @@ pub use engine::{
 };
 pub use error::{Error, Location, Result};
 pub use task::{TaskBuilder, TaskHandle};
-pub use tensor::{KernelBuilder, Shape, Tensor};
+pub use tensor::{no_grad, KernelBuilder, NoGrad, Shape, Tensor};
 pub use var::{Read, ReadGuard, Var, Write, WriteGuard};
 
 /// The README's examples, compiled and run as doctests.

@@ -53,6 +53,8 @@ struct VarHandle<T> {
     id: VarId,
     engine: Engine,
     storage: Arc<Storage<T>>,
+    /// Writes recorded so far (see [`Var::version`]).
+    version: std::sync::atomic::AtomicU64,
 }
 
 impl<T> Drop for VarHandle<T> {
@@ -288,6 +290,7 @@ impl Engine {
                 id,
                 engine: self.uncounted(),
                 storage: Arc::new(Storage::new(value, self.counters().clone())),
+                version: std::sync::atomic::AtomicU64::new(0),
             }),
         }
     }
@@ -320,9 +323,22 @@ impl<T> Var<T> {
     }
 
     pub(crate) fn write_token(&self) -> Write<T> {
+        // Relaxed: only the recording thread compares versions (the tape checks
+        // that a value it saved was not overwritten by a later recorded write).
+        self.inner
+            .version
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Write {
             storage: self.inner.storage.clone(),
         }
+    }
+
+    /// How many writes of this value have been recorded: a value saved at one
+    /// version and seen at another was overwritten in between.
+    pub(crate) fn version(&self) -> u64 {
+        self.inner
+            .version
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether two handles refer to the same data.

@@ -11,13 +11,16 @@
 //! which the next blocker on it (or on anything computed from it) returns. Use the
 //! named methods ([`Tensor::add`], ...) to get the error at the call site.
 
+mod autograd;
 pub(crate) mod fusion;
 mod gpu_ops;
+mod grads;
 pub(crate) mod kernels;
 mod ops;
 mod shape;
 mod user_kernel;
 
+pub use autograd::{no_grad, NoGrad};
 pub use shape::Shape;
 pub use user_kernel::KernelBuilder;
 
@@ -87,6 +90,8 @@ pub struct Tensor {
     pub(crate) shape: Shape,
     pub(crate) var: Var<Data>,
     pub(crate) device: Device,
+    /// Where this tensor is on the autodiff tape, if it is (see `autograd.rs`).
+    pub(crate) tape: Option<autograd::Tape>,
 }
 
 impl Tensor {
@@ -139,6 +144,7 @@ impl Tensor {
             shape,
             var: engine.var(Data::Host(data)),
             device: Device::Cpu,
+            tape: None,
         })
     }
 
@@ -166,6 +172,7 @@ impl Tensor {
             shape: Shape::scalar(),
             var: engine.var(Data::Host(vec![value])),
             device: Device::Cpu,
+            tape: None,
         }
     }
 
@@ -333,6 +340,7 @@ impl Tensor {
             shape,
             var: engine.var(Data::default()),
             device: Device::Cpu,
+            tape: None,
         };
         let mut t = engine.task_at(name, location);
         let o = t.write(&out.var);
@@ -431,7 +439,12 @@ impl Tensor {
         self.to_at(device, Location::caller())
     }
 
-    fn to_at(&self, device: Device, location: Location) -> Result<Tensor> {
+    pub(crate) fn to_at(&self, device: Device, location: Location) -> Result<Tensor> {
+        let out = self.to_raw(device, location)?;
+        Ok(self.to_grad(out, location))
+    }
+
+    fn to_raw(&self, device: Device, location: Location) -> Result<Tensor> {
         if device == self.device {
             return Ok(self.clone());
         }
@@ -458,6 +471,7 @@ impl Tensor {
             shape: self.shape.clone(),
             var: self.engine().var(Data::default()),
             device,
+            tape: None,
         };
         let mut t = self.engine().task_at("to", location);
         t.device(device);

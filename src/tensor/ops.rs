@@ -108,6 +108,7 @@ impl Tensor {
             shape,
             var: self.engine().var(Data::default()),
             device: self.device,
+            tape: None,
         }
     }
 
@@ -117,6 +118,7 @@ impl Tensor {
             shape: self.shape.clone(),
             var: self.engine().poisoned_var(Data::default(), Arc::new(err)),
             device: self.device,
+            tape: None,
         }
     }
 
@@ -232,6 +234,9 @@ impl Tensor {
         gpu_expr: (&str, f32),
         f: impl FnOnce(&mut Vec<f32>) + Send + 'static,
     ) {
+        if let Err(e) = self.check_untaped(name, location) {
+            return self.fail_inplace(name, location, e);
+        }
         if let Ok(Some(gpu)) = self.gpu(name, location) {
             let reads_self = matches!(kind, Update::ReadModifyWrite);
             let (expr, s) = gpu_expr;
@@ -258,9 +263,44 @@ impl Tensor {
         });
     }
 
+    /// An in-place op on a tensor on the tape would make its recorded history
+    /// (and so its gradient) wrong: refused outside a no-grad scope.
+    fn check_untaped(&self, name: &'static str, location: Location) -> Result<()> {
+        if Tensor::any_taped(&[self]) {
+            return Err(arg_err(
+                name,
+                &self.shape,
+                "an in-place op on a tensor that requires a gradient; run it in a \
+                 no_grad scope (as an optimizer does) or on a detached copy",
+                location,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Records a node that fails with `err` and poisons `self` (for in-place
+    /// ops that cannot return an error).
+    fn fail_inplace(&self, name: &'static str, location: Location, err: Error) {
+        let mut t = self.engine().task_at(name, location);
+        t.device(self.device);
+        let _w = t.write(&self.var);
+        let message = err.to_string();
+        let _ = t.try_run(move || Err(message));
+    }
+
     // ----- elementwise ------------------------------------------------------
 
-    fn binary_at(&self, other: &Tensor, op: BinaryOp, location: Location) -> Result<Tensor> {
+    pub(crate) fn binary_at(
+        &self,
+        other: &Tensor,
+        op: BinaryOp,
+        location: Location,
+    ) -> Result<Tensor> {
+        let out = self.binary_raw(other, op, location)?;
+        Ok(self.binary_grad(other, out, op, location))
+    }
+
+    fn binary_raw(&self, other: &Tensor, op: BinaryOp, location: Location) -> Result<Tensor> {
         let name = op.name();
         self.check_device(name, &[other], location)?;
         let out_shape = Shape::broadcast(&self.shape, &other.shape).ok_or_else(|| {
@@ -280,7 +320,18 @@ impl Tensor {
         })
     }
 
-    fn scalar_at(&self, s: f32, op: BinaryOp, scalar_left: bool, location: Location) -> Tensor {
+    pub(crate) fn scalar_at(
+        &self,
+        s: f32,
+        op: BinaryOp,
+        scalar_left: bool,
+        location: Location,
+    ) -> Tensor {
+        let out = self.scalar_raw(s, op, scalar_left, location);
+        self.scalar_grad(out, s, op, scalar_left, location)
+    }
+
+    fn scalar_raw(&self, s: f32, op: BinaryOp, scalar_left: bool, location: Location) -> Tensor {
         match self.gpu(op.name(), location) {
             Ok(Some(gpu)) => return self.gpu_scalar(gpu, s, op, scalar_left, location),
             Ok(None) => {}
@@ -295,7 +346,12 @@ impl Tensor {
         })
     }
 
-    fn unary_at(&self, op: UnaryOp, location: Location) -> Tensor {
+    pub(crate) fn unary_at(&self, op: UnaryOp, location: Location) -> Tensor {
+        let out = self.unary_raw(op, location);
+        self.unary_grad(out, op, location)
+    }
+
+    fn unary_raw(&self, op: UnaryOp, location: Location) -> Tensor {
         match self.gpu(op.name(), location) {
             Ok(Some(gpu)) => return self.gpu_unary(gpu, op, location),
             Ok(None) => {}
@@ -313,6 +369,7 @@ impl Tensor {
         name: &'static str,
         location: Location,
     ) -> Result<()> {
+        self.check_untaped(name, location)?;
         self.check_device(name, &[other], location)?;
         if !other.shape.broadcasts_to(&self.shape) {
             return Err(shape_err(
@@ -493,11 +550,15 @@ impl Tensor {
     /// In place: sets every element to `value`.
     #[track_caller]
     pub fn fill_(&self, value: f32) {
+        self.fill_at(value, Location::caller())
+    }
+
+    pub(crate) fn fill_at(&self, value: f32, location: Location) {
         let n = self.numel();
         // The whole buffer is replaced, so the target need not have had a value.
         self.update1(
             "fill_",
-            Location::caller(),
+            location,
             Update::Overwrite,
             ("s", value),
             move |a| {
@@ -511,6 +572,7 @@ impl Tensor {
     #[track_caller]
     pub fn copy_from(&self, src: &Tensor) -> Result<()> {
         let location = Location::caller();
+        self.check_untaped("copy_from", location)?;
         self.check_device("copy_from", &[src], location)?;
         if src.shape != self.shape {
             return Err(shape_err(
@@ -543,7 +605,12 @@ impl Tensor {
 
     // ----- reductions -------------------------------------------------------
 
-    fn reduce_all_at(&self, op: ReduceOp, location: Location) -> Tensor {
+    pub(crate) fn reduce_all_at(&self, op: ReduceOp, location: Location) -> Tensor {
+        let out = self.reduce_all_raw(op, location);
+        self.reduce_grad(out, op, None, location)
+    }
+
+    fn reduce_all_raw(&self, op: ReduceOp, location: Location) -> Tensor {
         match self.gpu(op.name(), location) {
             Ok(Some(gpu)) => {
                 let n = self.numel();
@@ -586,7 +653,17 @@ impl Tensor {
         }
     }
 
-    fn reduce_axis_at(&self, op: ReduceOp, axis: usize, location: Location) -> Result<Tensor> {
+    pub(crate) fn reduce_axis_at(
+        &self,
+        op: ReduceOp,
+        axis: usize,
+        location: Location,
+    ) -> Result<Tensor> {
+        let out = self.reduce_axis_raw(op, axis, location)?;
+        Ok(self.reduce_grad(out, op, Some(axis), location))
+    }
+
+    fn reduce_axis_raw(&self, op: ReduceOp, axis: usize, location: Location) -> Result<Tensor> {
         check_axis(op.name(), &self.shape, axis, location)?;
         let mut dims = self.dims().to_vec();
         dims.remove(axis);
@@ -685,7 +762,15 @@ impl Tensor {
     /// `[..., m, n]`. Runs on the GEMM of the `faer` crate.
     #[track_caller]
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
-        let location = Location::caller();
+        self.matmul_at(other, Location::caller())
+    }
+
+    pub(crate) fn matmul_at(&self, other: &Tensor, location: Location) -> Result<Tensor> {
+        let out = self.matmul_raw(other, location)?;
+        Ok(self.matmul_grad(other, out, location))
+    }
+
+    fn matmul_raw(&self, other: &Tensor, location: Location) -> Result<Tensor> {
         self.check_device("matmul", &[other], location)?;
         let (a, b) = (self.dims(), other.dims());
         let err =
@@ -736,7 +821,22 @@ impl Tensor {
     /// Swaps two axes (a copy).
     #[track_caller]
     pub fn transpose(&self, dim0: usize, dim1: usize) -> Result<Tensor> {
-        let location = Location::caller();
+        self.transpose_at(dim0, dim1, Location::caller())
+    }
+
+    pub(crate) fn transpose_at(
+        &self,
+        dim0: usize,
+        dim1: usize,
+        location: Location,
+    ) -> Result<Tensor> {
+        let out = self.transpose_raw(dim0, dim1, location)?;
+        Ok(out.taped("transpose", location, &[self], move |g, _| {
+            Ok(vec![Some(g.transpose_at(dim0, dim1, location)?)])
+        }))
+    }
+
+    fn transpose_raw(&self, dim0: usize, dim1: usize, location: Location) -> Result<Tensor> {
         check_axis("transpose", &self.shape, dim0, location)?;
         check_axis("transpose", &self.shape, dim1, location)?;
         let mut dims = self.dims().to_vec();
@@ -768,34 +868,26 @@ impl Tensor {
         if self.shape.rank() != 2 {
             return Err(arg_err("t", &self.shape, "needs a 2-D tensor", location));
         }
-        if let Some(gpu) = self.gpu("t", location)? {
-            let st = self.shape.strides();
-            let dims = [self.dims()[1], self.dims()[0]];
-            return Ok(self.gpu_strided(
-                gpu,
-                "transpose",
-                Shape::from(dims),
-                0,
-                &[st[1], st[0]],
-                location,
-            ));
-        }
-        let shape = self.shape.clone();
-        Ok(self.map1(
-            "transpose",
-            location,
-            Shape::from([shape.dims()[1], shape.dims()[0]]),
-            move |a, out| {
-                kernels::transpose(a, shape.dims(), 0, 1, out);
-            },
-        ))
+        self.transpose_at(0, 1, location)
     }
 
     /// The same data with another shape of as many elements. This is a view: no
     /// node is recorded, and an in-place op on either tensor changes both.
     #[track_caller]
     pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
+        self.reshape_at(shape, Location::caller())
+    }
+
+    pub(crate) fn reshape_at(&self, shape: impl Into<Shape>, location: Location) -> Result<Tensor> {
         let shape = shape.into();
+        let from = self.shape.clone();
+        let out = self.reshape_raw(shape, location)?;
+        Ok(out.taped("reshape", location, &[self], move |g, _| {
+            Ok(vec![Some(g.reshape_at(from.clone(), location)?)])
+        }))
+    }
+
+    fn reshape_raw(&self, shape: Shape, location: Location) -> Result<Tensor> {
         if shape.numel() != self.numel() {
             return Err(shape_err(
                 "reshape",
@@ -805,21 +897,32 @@ impl Tensor {
                     self.numel(),
                     shape.numel()
                 ),
-                Location::caller(),
+                location,
             ));
         }
         Ok(Tensor {
             shape,
             var: self.var.clone(),
             device: self.device,
+            tape: None,
         })
     }
 
     /// Materializes the broadcast of `self` to `shape` (numpy rules).
     #[track_caller]
     pub fn broadcast_to(&self, shape: impl Into<Shape>) -> Result<Tensor> {
-        let location = Location::caller();
-        let target = shape.into();
+        self.broadcast_to_at(shape.into(), Location::caller())
+    }
+
+    pub(crate) fn broadcast_to_at(&self, target: Shape, location: Location) -> Result<Tensor> {
+        let from = self.shape.clone();
+        let out = self.broadcast_to_raw(target, location)?;
+        Ok(out.taped("broadcast_to", location, &[self], move |g, _| {
+            Ok(vec![Some(g.sum_to(&from, location)?)])
+        }))
+    }
+
+    fn broadcast_to_raw(&self, target: Shape, location: Location) -> Result<Tensor> {
         if !self.shape.broadcasts_to(&target) {
             return Err(shape_err(
                 "broadcast_to",
@@ -862,7 +965,19 @@ impl Tensor {
     }
 
     /// `narrow` without the checks (done by the callers).
-    fn narrow_at(
+    pub(crate) fn narrow_at(
+        &self,
+        name: &'static str,
+        axis: usize,
+        start: usize,
+        len: usize,
+        location: Location,
+    ) -> Tensor {
+        let out = self.narrow_raw(name, axis, start, len, location);
+        self.narrow_grad(out, name, axis, start, location)
+    }
+
+    fn narrow_raw(
         &self,
         name: &'static str,
         axis: usize,
@@ -917,7 +1032,19 @@ impl Tensor {
     /// Joins tensors along `axis`; all other dimensions must agree.
     #[track_caller]
     pub fn concat(tensors: &[&Tensor], axis: usize) -> Result<Tensor> {
-        let location = Location::caller();
+        Tensor::concat_at(tensors, axis, Location::caller())
+    }
+
+    pub(crate) fn concat_at(
+        tensors: &[&Tensor],
+        axis: usize,
+        location: Location,
+    ) -> Result<Tensor> {
+        let out = Tensor::concat_raw(tensors, axis, location)?;
+        Ok(Tensor::concat_grad(out, tensors, axis, location))
+    }
+
+    fn concat_raw(tensors: &[&Tensor], axis: usize, location: Location) -> Result<Tensor> {
         let Some(first) = tensors.first() else {
             return Err(arg_err(
                 "concat",
@@ -1045,11 +1172,7 @@ macro_rules! operator {
             fn $assign_method(&mut self, rhs: &Tensor) {
                 let location = Location::caller();
                 if let Err(e) = self.inplace_at(rhs, BinaryOp::$op, $inplace, location) {
-                    let mut t = self.engine().task_at($inplace, location);
-                    t.device(self.device);
-                    let _w = t.write(&self.var);
-                    let message = e.to_string();
-                    let _ = t.try_run(move || Err(message));
+                    self.fail_inplace($inplace, location, e);
                 }
             }
         }
