@@ -14,6 +14,7 @@
 pub(crate) mod fusion;
 mod gpu_ops;
 pub(crate) mod kernels;
+pub(crate) mod nn_kernels;
 mod ops;
 mod shape;
 mod user_kernel;
