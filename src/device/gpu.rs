@@ -141,6 +141,25 @@ pub(crate) enum Kernel {
     StridedCopy,
     /// `matmul.wgsl`: tiled, batched.
     Matmul,
+    /// `im2col.wgsl`: specialized by the direction (0 im2col, 1 col2im).
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "the conv2d op that dispatches it comes separately"
+        )
+    )]
+    Im2col,
+    /// `pool.wgsl`: specialized by the kind (0 average, 1 max, 2 and 3 their
+    /// gradients).
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "the pool2d op that dispatches it comes separately"
+        )
+    )]
+    Pool,
     /// A user's kernel: the specialization is the whole source.
     User,
 }
@@ -155,6 +174,8 @@ impl Kernel {
             Kernel::Reduce => include_str!("../../shaders/reduce.wgsl"),
             Kernel::StridedCopy => include_str!("../../shaders/strided_copy.wgsl"),
             Kernel::Matmul => include_str!("../../shaders/matmul.wgsl"),
+            Kernel::Im2col => include_str!("../../shaders/im2col.wgsl"),
+            Kernel::Pool => include_str!("../../shaders/pool.wgsl"),
             Kernel::User => "",
         }
     }
@@ -167,7 +188,9 @@ impl Kernel {
             Kernel::Binary | Kernel::Map | Kernel::Inplace | Kernel::InplaceMap => {
                 self.source().replace("OP;", &format!("{spec};"))
             }
-            Kernel::Reduce => self.source().replace("KIND_VALUE", spec),
+            Kernel::Reduce | Kernel::Im2col | Kernel::Pool => {
+                self.source().replace("KIND_VALUE", spec)
+            }
             Kernel::StridedCopy | Kernel::Matmul => self.source().to_string(),
             Kernel::User => spec.to_string(),
         }

@@ -295,6 +295,12 @@ pub(crate) fn all_specializations() -> Vec<(Kernel, String)> {
     }
     out.push((Kernel::StridedCopy, String::new()));
     out.push((Kernel::Matmul, String::new()));
+    for kind in 0..=1 {
+        out.push((Kernel::Im2col, kind.to_string()));
+    }
+    for kind in 0..=3 {
+        out.push((Kernel::Pool, kind.to_string()));
+    }
     out
 }
 

@@ -16,6 +16,7 @@ pub(crate) mod fusion;
 mod gpu_ops;
 mod grads;
 pub(crate) mod kernels;
+pub(crate) mod nn_kernels;
 mod ops;
 mod shape;
 mod user_kernel;
