@@ -35,6 +35,7 @@ mod device;
 mod engine;
 mod error;
 mod graph;
+pub mod nn;
 mod sched;
 mod sync;
 mod task;
@@ -51,7 +52,7 @@ pub use engine::{
 };
 pub use error::{Error, Location, Result};
 pub use task::{TaskBuilder, TaskHandle};
-pub use tensor::{no_grad, KernelBuilder, NoGrad, Shape, Tensor};
+pub use tensor::{no_grad, KernelBuilder, NoGrad, PoolKind, Reduction, Shape, Tensor};
 pub use var::{Read, ReadGuard, Var, Write, WriteGuard};
 
 /// The README's examples, compiled and run as doctests.

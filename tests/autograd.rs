@@ -77,7 +77,11 @@ fn no_grad_scopes_record_without_a_tape(device: Device) {
 device_test!(no_grad_scopes_record_without_a_tape);
 
 fn backward_records_and_returns_at_once(device: Device) {
-    let e = Engine::builder().workers(2).mode(Mode::Lazy).build().unwrap();
+    let e = Engine::builder()
+        .workers(2)
+        .mode(Mode::Lazy)
+        .build()
+        .unwrap();
     let x = leaf(&e, device, &[0.5, 1.5, -0.5]);
     let loss = (x.tanh() * x.sigmoid()).sum();
     let before = e.stats();
@@ -105,8 +109,14 @@ fn misuse_is_an_error_not_a_panic(device: Device) {
     // Not on the tape.
     let plain = x.detach() * 2.0;
     let err = plain.sum().backward().unwrap_err();
-    assert!(matches!(&err, Error::InvalidArgument { op: "backward", .. }), "{err}");
-    assert!(err.to_string().contains("does not require a gradient"), "{err}");
+    assert!(
+        matches!(&err, Error::InvalidArgument { op: "backward", .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("does not require a gradient"),
+        "{err}"
+    );
     // A non-scalar without a seed; a seed of the wrong shape.
     let y = x.exp();
     let err = y.backward().unwrap_err();

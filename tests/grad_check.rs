@@ -40,6 +40,9 @@ enum Domain {
     Signed,
     /// `[0.5, 2]`.
     Positive,
+    /// A shuffle of distinct values 0.05 apart, so that no step of the
+    /// differences crosses a tie (for max pooling).
+    Distinct,
 }
 
 struct Check {
@@ -78,6 +81,16 @@ impl Check {
                 match domain {
                     Domain::Signed => values(n, 17 + i as u64, -2.0, 2.0, 0.1),
                     Domain::Positive => values(n, 17 + i as u64, 0.5, 2.0, 0.0),
+                    Domain::Distinct => {
+                        let keys = values(n, 17 + i as u64, 0.0, 1.0, 0.0);
+                        let mut order: Vec<usize> = (0..n).collect();
+                        order.sort_by(|&a, &b| keys[a].total_cmp(&keys[b]));
+                        let mut v = vec![0.0; n];
+                        for (rank, &j) in order.iter().enumerate() {
+                            v[j] = rank as f32 * 0.05 - n as f32 * 0.025;
+                        }
+                        v
+                    }
                 }
             })
             .collect();
@@ -260,3 +273,46 @@ fn layout(device: Device) {
     });
 }
 device_test!(layout);
+
+fn convolution_and_pooling(device: Device) {
+    let c = Check::new(device);
+    // Odd sizes, stride and padding per axis, with and without a bias.
+    c.grads(
+        "conv2d",
+        &[&[2, 3, 7, 6], &[4, 3, 3, 2], &[4]],
+        Domain::Signed,
+        |x| x[0].conv2d(&x[1], Some(&x[2]), (2, 1), (1, 0)).unwrap(),
+    );
+    c.grads(
+        "conv2d_no_bias",
+        &[&[1, 2, 5, 5], &[3, 2, 2, 3]],
+        Domain::Signed,
+        |x| x[0].conv2d(&x[1], None, (1, 2), (0, 1)).unwrap(),
+    );
+    c.grads("avg_pool2d", &[&[2, 3, 7, 6]], Domain::Signed, |x| {
+        x[0].avg_pool2d((3, 2), (2, 2), (1, 1)).unwrap()
+    });
+    // Distinct values keep every window's maximum away from ties.
+    c.grads("max_pool2d", &[&[2, 2, 5, 7]], Domain::Distinct, |x| {
+        x[0].max_pool2d((2, 3), (2, 1), (0, 1)).unwrap()
+    });
+}
+device_test!(convolution_and_pooling);
+
+fn softmax_and_losses(device: Device) {
+    use lazyflow::Reduction;
+    let c = Check::new(device);
+    c.grads("softmax", &[&[3, 5]], Domain::Signed, |x| {
+        x[0].softmax(1).unwrap()
+    });
+    c.grads("log_softmax", &[&[4, 3]], Domain::Signed, |x| {
+        x[0].log_softmax(0).unwrap()
+    });
+    let labels = [0, 4, 2, 2];
+    for reduction in [Reduction::None, Reduction::Mean, Reduction::Sum] {
+        c.grads("cross_entropy", &[&[4, 5]], Domain::Signed, |x| {
+            x[0].cross_entropy(&labels, reduction).unwrap()
+        });
+    }
+}
+device_test!(softmax_and_losses);

@@ -142,23 +142,9 @@ pub(crate) enum Kernel {
     /// `matmul.wgsl`: tiled, batched.
     Matmul,
     /// `im2col.wgsl`: specialized by the direction (0 im2col, 1 col2im).
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "the conv2d op that dispatches it comes separately"
-        )
-    )]
     Im2col,
     /// `pool.wgsl`: specialized by the kind (0 average, 1 max, 2 and 3 their
     /// gradients).
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "the pool2d op that dispatches it comes separately"
-        )
-    )]
     Pool,
     /// A user's kernel: the specialization is the whole source.
     User,

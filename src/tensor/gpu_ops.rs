@@ -481,7 +481,7 @@ impl Tensor {
 
     /// Records a GPU node that reads `self` and writes a new buffer of
     /// `out_shape` through `encode(gpu, input, output)`.
-    fn gpu_node1(
+    pub(crate) fn gpu_node1(
         &self,
         gpu: Arc<Gpu>,
         name: &'static str,
@@ -512,6 +512,45 @@ impl Tensor {
             Ok(())
         });
         out
+    }
+
+    /// Records a GPU node that reads `self` and `other` and writes a new buffer
+    /// of `out_shape` through `encode(gpu, a, b, output)`.
+    pub(crate) fn gpu_node2(
+        &self,
+        other: &Tensor,
+        gpu: Arc<Gpu>,
+        name: &'static str,
+        location: Location,
+        out_shape: Shape,
+        encode: impl FnOnce(&Gpu, &GpuBuffer, &GpuBuffer, &GpuBuffer) -> std::result::Result<(), String>
+            + Send
+            + 'static,
+    ) -> Result<Tensor> {
+        gpu.check_size(name, &out_shape, location)?;
+        let n = out_shape.numel();
+        let out = self.output(out_shape);
+        let mut t = self.engine().task_at(name, location);
+        t.device(self.device);
+        let a = t.read(&self.var);
+        let b = (!self.same_data(other)).then(|| t.read(&other.var));
+        let o = t.write(&out.var);
+        let pending = gpu.expect_node();
+        t.push_fallible(move || {
+            let buf = gpu.alloc(n)?;
+            {
+                let ga = a.read();
+                let ab = ga.gpu()?;
+                match &b {
+                    Some(b) => encode(&gpu, ab, b.read().gpu()?, &buf)?,
+                    None => encode(&gpu, ab, ab, &buf)?,
+                }
+            }
+            *o.write() = Data::Gpu(buf);
+            drop(pending);
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     /// `out = expr(x, s)` elementwise on the GPU (unary ops and scalar operands).

@@ -12,16 +12,20 @@
 //! named methods ([`Tensor::add`], ...) to get the error at the call site.
 
 mod autograd;
+mod conv;
 pub(crate) mod fusion;
 mod gpu_ops;
 mod grads;
 pub(crate) mod kernels;
 pub(crate) mod nn_kernels;
+mod nn_ops;
 mod ops;
 mod shape;
 mod user_kernel;
 
 pub use autograd::{no_grad, NoGrad};
+pub use nn_kernels::PoolKind;
+pub use nn_ops::Reduction;
 pub use shape::Shape;
 pub use user_kernel::KernelBuilder;
 

@@ -10,14 +10,6 @@
 //! Like `kernels`, these are pure functions of slices: callers validate shapes
 //! and buffer lengths, and the kernels only `debug_assert!` them.
 
-#![cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "the conv2d and pool2d tensor ops that call these come separately"
-    )
-)]
-
 /// The geometry of a sliding 2-D window over an `[n, c, h, w]` input: kernel
 /// `(kh, kw)`, stride `(sh, sw)` (at least 1) and zero padding `(ph, pw)` on
 /// each side. Callers guarantee `h + 2 * ph >= kh` and `w + 2 * pw >= kw`.
@@ -184,7 +176,7 @@ pub(crate) fn col2im(cols: &[f32], win: &Window, x: &mut [f32]) {
 
 /// What a pooling window computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum PoolKind {
+pub enum PoolKind {
     /// The window's sum divided by `kh * kw`: padding counts as zeros
     /// (PyTorch's `count_include_pad=True`).
     Avg,

@@ -8,7 +8,7 @@ use crate::error::{shapes_list, Error, Location, Result};
 use std::ops;
 use std::sync::Arc;
 
-fn shape_err(
+pub(super) fn shape_err(
     op: &'static str,
     shapes: &[&Shape],
     reason: impl Into<String>,
@@ -23,7 +23,7 @@ fn shape_err(
     }
 }
 
-fn arg_err(
+pub(super) fn arg_err(
     op: &'static str,
     shape: &Shape,
     reason: impl Into<String>,
@@ -75,7 +75,12 @@ pub(super) fn filled(n: usize, value: f32) -> std::result::Result<Vec<f32>, Stri
     Ok(v)
 }
 
-fn check_axis(op: &'static str, shape: &Shape, axis: usize, location: Location) -> Result<()> {
+pub(super) fn check_axis(
+    op: &'static str,
+    shape: &Shape,
+    axis: usize,
+    location: Location,
+) -> Result<()> {
     if axis >= shape.rank() {
         return Err(arg_err(
             op,
@@ -88,7 +93,12 @@ fn check_axis(op: &'static str, shape: &Shape, axis: usize, location: Location) 
 }
 
 impl Tensor {
-    fn check_device(&self, op: &'static str, others: &[&Tensor], location: Location) -> Result<()> {
+    pub(super) fn check_device(
+        &self,
+        op: &'static str,
+        others: &[&Tensor],
+        location: Location,
+    ) -> Result<()> {
         if others.iter().any(|o| o.device != self.device) {
             let devices: Vec<String> = std::iter::once(self)
                 .chain(others.iter().copied())
@@ -123,7 +133,7 @@ impl Tensor {
     }
 
     /// Records `out = f(self)`.
-    fn map1(
+    pub(super) fn map1(
         &self,
         name: &'static str,
         location: Location,
@@ -152,7 +162,7 @@ impl Tensor {
     }
 
     /// Records `out = f(self, other)`.
-    fn map2(
+    pub(super) fn map2(
         &self,
         other: &Tensor,
         name: &'static str,
@@ -626,7 +636,7 @@ impl Tensor {
 
     /// A reduction that has no value for no elements (max, min, argmax): over
     /// nothing it is an error when recorded, as in numpy, rather than a NaN.
-    fn reduce_nonempty_at(
+    pub(super) fn reduce_nonempty_at(
         &self,
         op: ReduceOp,
         axis: Option<usize>,
