@@ -52,13 +52,20 @@ fn lenet_step_s(engine: &Engine, device: Device, batch: usize, reps: usize) -> D
 }
 
 /// GFLOP/s of conv2d at LeNet's second layer, and of the matmul it lowers to.
-fn conv_gflops(engine: &Engine, device: Device, batch: usize, reps: usize) -> DemoResult<(f64, f64)> {
+fn conv_gflops(
+    engine: &Engine,
+    device: Device,
+    batch: usize,
+    reps: usize,
+) -> DemoResult<(f64, f64)> {
     let x = Tensor::rand_uniform_in(engine, [batch, 20, 13, 13], -1.0, 1.0, 1)?.to(device)?;
     let w = Tensor::rand_uniform_in(engine, [50, 20, 5, 5], -1.0, 1.0, 2)?.to(device)?;
     let time = |f: &dyn Fn() -> lazyflow::Result<Tensor>| -> DemoResult<f64> {
         f()?.wait_to_read()?; // warm-up
         let t = Instant::now();
-        let outs = (0..reps).map(|_| f()).collect::<lazyflow::Result<Vec<_>>>()?;
+        let outs = (0..reps)
+            .map(|_| f())
+            .collect::<lazyflow::Result<Vec<_>>>()?;
         engine.wait_all()?;
         let s = t.elapsed().as_secs_f64() / reps as f64;
         drop(outs);
@@ -81,7 +88,12 @@ fn pytorch(batch: usize, reps: usize, threads: usize) -> Option<Value> {
         .chain(["python3".to_string(), "/usr/bin/python3".to_string()]);
     for python in pythons {
         let out = Command::new(&python)
-            .args([script, &batch.to_string(), &reps.to_string(), &threads.to_string()])
+            .args([
+                script,
+                &batch.to_string(),
+                &reps.to_string(),
+                &threads.to_string(),
+            ])
             .output();
         if let Ok(out) = out {
             if out.status.success() {

@@ -6,12 +6,18 @@
 //! col2im is the gradient of im2col, and the rest are matmul, transpose,
 //! reshape and a broadcast add. Pooling has its own kernels both ways.
 
+use super::conv_kernels;
 use super::kernels::BinaryOp;
 use super::nn_kernels::{self, PoolKind, Window};
 use super::ops::{arg_err, shape_err};
 use super::{Shape, Tensor};
 use crate::device::gpu::{Grid, Kernel};
 use crate::error::{Location, Result};
+
+/// `Some(f())` when `need`, else `None`.
+fn when(need: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
+    need.then(f).transpose()
+}
 
 /// Checks an NCHW input against a window geometry; returns the window.
 fn window(
@@ -111,8 +117,11 @@ impl Tensor {
             }
         }
         let win = window("conv2d", self, (wd[2], wd[3]), stride, padding, location)?;
+        if self.device == crate::device::Device::Cpu {
+            return self.cpu_conv2d(weight, bias, win, location);
+        }
+        // A GPU: [n * p, ckk] @ [ckk, o] = [n * p, o], then to [n, o, p].
         let (o, p, ckk) = (wd[0], win.oh() * win.ow(), win.c * win.kh * win.kw);
-        // [n * p, ckk] @ [ckk, o] = [n * p, o], then to [n, o, p].
         let cols = self.im2col_at(win, location)?;
         let w2 = weight
             .reshape_at([o, ckk], location)?
@@ -125,6 +134,98 @@ impl Tensor {
             y = y.binary_at(&b.reshape_at([o, 1], location)?, BinaryOp::Add, location)?;
         }
         y.reshape_at([win.n, o, win.oh(), win.ow()], location)
+    }
+
+    /// Records a CPU node computing a new tensor of `shape` from `inputs`.
+    fn cpu_node(
+        name: &'static str,
+        location: Location,
+        inputs: &[&Tensor],
+        shape: Shape,
+        f: impl FnOnce(&[&[f32]], &mut [f32]) + Send + 'static,
+    ) -> Result<Tensor> {
+        let first = inputs[0];
+        let out = first.output(shape);
+        let mut task = first.engine().task_at(name, location);
+        task.device(first.device);
+        let reads: Vec<_> = inputs.iter().map(|t| task.read(&t.var)).collect();
+        let o = task.write(&out.var);
+        let n = out.numel();
+        task.push_fallible(move || {
+            let guards: Vec<_> = reads.iter().map(|r| r.read()).collect();
+            let mut slices: Vec<&[f32]> = Vec::with_capacity(guards.len());
+            for g in &guards {
+                slices.push(g.host()?.as_slice());
+            }
+            let mut v = super::ops::zeroed(n)?;
+            f(&slices, &mut v);
+            drop(slices);
+            drop(guards);
+            *o.write() = super::Data::Host(v);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// The CPU's convolution (see `conv_kernels.rs`) and its gradients.
+    fn cpu_conv2d(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        win: Window,
+        location: Location,
+    ) -> Result<Tensor> {
+        let o = weight.dims()[0];
+        let threads = self.engine().cpu_threads();
+        let shape = Shape::from([win.n, o, win.oh(), win.ow()]);
+        let mut inputs = vec![self, weight];
+        inputs.extend(bias);
+        let with_bias = bias.is_some();
+        let out = Tensor::cpu_node("conv2d", location, &inputs, shape, move |ins, out| {
+            let bias = with_bias.then(|| ins[2]);
+            conv_kernels::conv2d(ins[0], ins[1], bias, &win, o, out, threads)
+        })?;
+        if !Tensor::any_taped(&inputs) {
+            return Ok(out);
+        }
+        let x = super::autograd::Saved::new(self, "conv2d", location);
+        let w = super::autograd::Saved::new(weight, "conv2d", location);
+        let l = location;
+        Ok(out.taped("conv2d", location, &inputs, move |g, needs| {
+            let gx = when(needs[0], || {
+                let shape = x.get()?.shape.clone();
+                Tensor::cpu_node(
+                    "conv2d_grad_input",
+                    l,
+                    &[g, w.get()?],
+                    shape,
+                    move |ins, gx| {
+                        conv_kernels::conv2d_grad_input(ins[0], ins[1], &win, o, gx, threads)
+                    },
+                )
+            })?;
+            let gw = when(needs[1], || {
+                let shape = w.get()?.shape.clone();
+                Tensor::cpu_node(
+                    "conv2d_grad_weight",
+                    l,
+                    &[x.get()?, g],
+                    shape,
+                    move |ins, gw| {
+                        conv_kernels::conv2d_grad_weight(ins[0], ins[1], &win, o, gw, threads)
+                    },
+                )
+            })?;
+            let mut grads = vec![gx, gw];
+            if needs.len() > 2 {
+                grads.push(when(needs[2], || {
+                    g.reshape_at([win.n, o, win.oh() * win.ow()], l)?
+                        .reduce_axis_at(super::kernels::ReduceOp::Sum, 2, l)?
+                        .reduce_axis_at(super::kernels::ReduceOp::Sum, 0, l)
+                })?);
+            }
+            Ok(grads)
+        }))
     }
 
     /// Every window of `self` (NCHW) as a row: `[n * oh * ow, c * kh * kw]`.

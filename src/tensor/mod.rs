@@ -13,6 +13,7 @@
 
 mod autograd;
 mod conv;
+mod conv_kernels;
 pub(crate) mod fusion;
 mod gpu_ops;
 mod grads;
