@@ -24,6 +24,30 @@ impl Window {
     }
 }
 
+/// The output columns `ox` whose input column `ox * sw + kx - pw` is inside
+/// `0..w`, as a range, and the input column of its first.
+#[inline]
+fn inside(win: &Window, kx: usize) -> (std::ops::Range<usize>, usize) {
+    let ow = win.ow();
+    // ox * sw + kx >= pw  and  ox * sw + kx < w + pw
+    let lo = win.pw.saturating_sub(kx).div_ceil(win.sw).min(ow);
+    let hi = if win.w + win.pw > kx {
+        (win.w + win.pw - kx).div_ceil(win.sw).min(ow)
+    } else {
+        0
+    };
+    let hi = hi.max(lo);
+    (lo..hi, (lo * win.sw + kx).saturating_sub(win.pw))
+}
+
+/// The input row of output row `oy` for kernel row `ky`, if inside the image.
+#[inline]
+fn input_row(win: &Window, oy: usize, ky: usize) -> Option<usize> {
+    (oy * win.sh + ky)
+        .checked_sub(win.ph)
+        .filter(|&iy| iy < win.h)
+}
+
 /// Unfolds one image (`[c, h, w]`) into `cols` (`[c * kh * kw, oh * ow]`):
 /// row `(ci * kh + ky) * kw + kx`, column `oy * ow + ox` holds
 /// `image[ci, oy * sh + ky - ph, ox * sw + kx - pw]`, or 0 in the padding.
@@ -34,20 +58,25 @@ fn unfold(image: &[f32], win: &Window, cols: &mut [f32]) {
         for ky in 0..win.kh {
             for kx in 0..win.kw {
                 let Some(row) = rows.next() else { return };
+                let (xs, ix0) = inside(win, kx);
                 for (oy, out) in row.chunks_exact_mut(ow).enumerate() {
-                    let iy = (oy * win.sh + ky) as isize - win.ph as isize;
-                    if iy < 0 || iy >= h as isize {
+                    let Some(iy) = input_row(win, oy, ky) else {
                         out.fill(0.0);
                         continue;
+                    };
+                    out[..xs.start].fill(0.0);
+                    out[xs.end..].fill(0.0);
+                    if xs.is_empty() {
+                        continue;
                     }
-                    let line = &plane[iy as usize * w..(iy as usize + 1) * w];
-                    for (ox, v) in out.iter_mut().enumerate() {
-                        let ix = (ox * win.sw + kx) as isize - win.pw as isize;
-                        *v = if ix < 0 || ix >= w as isize {
-                            0.0
-                        } else {
-                            line[ix as usize]
-                        };
+                    let line = &plane[iy * w + ix0..(iy + 1) * w];
+                    let dst = &mut out[xs.clone()];
+                    if win.sw == 1 {
+                        dst.copy_from_slice(&line[..dst.len()]);
+                    } else {
+                        for (d, s) in dst.iter_mut().zip(line.iter().step_by(win.sw)) {
+                            *d = *s;
+                        }
                     }
                 }
             }
@@ -64,17 +93,14 @@ fn fold(cols: &[f32], win: &Window, image: &mut [f32]) {
         for ky in 0..win.kh {
             for kx in 0..win.kw {
                 let Some(row) = rows.next() else { return };
+                let (xs, ix0) = inside(win, kx);
                 for (oy, src) in row.chunks_exact(ow).enumerate() {
-                    let iy = (oy * win.sh + ky) as isize - win.ph as isize;
-                    if iy < 0 || iy >= h as isize {
+                    let Some(iy) = input_row(win, oy, ky).filter(|_| !xs.is_empty()) else {
                         continue;
-                    }
-                    let line = &mut plane[iy as usize * w..(iy as usize + 1) * w];
-                    for (ox, v) in src.iter().enumerate() {
-                        let ix = (ox * win.sw + kx) as isize - win.pw as isize;
-                        if ix >= 0 && ix < w as isize {
-                            line[ix as usize] += v;
-                        }
+                    };
+                    let line = &mut plane[iy * w + ix0..(iy + 1) * w];
+                    for (d, s) in line.iter_mut().step_by(win.sw).zip(&src[xs.clone()]) {
+                        *d += s;
                     }
                 }
             }
@@ -264,6 +290,9 @@ mod tests {
             (win(3, 2, 7, 6, 3, 2, 2, 1, 1, 0), 4),
             (win(5, 3, 9, 9, 5, 5, 1, 1, 2, 2), 2),
             (win(2, 1, 4, 5, 1, 1, 3, 2, 0, 1), 3),
+            (win(2, 2, 5, 4, 3, 3, 2, 3, 2, 2), 2),
+            (win(1, 1, 3, 3, 3, 3, 1, 1, 4, 4), 2),
+            (win(1, 2, 2, 6, 1, 3, 1, 4, 0, 5), 2),
         ]
     }
 
