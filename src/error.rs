@@ -100,6 +100,14 @@ pub enum Error {
         /// Where the frontend recorded the op.
         location: Location,
     },
+    /// A data set that is missing or malformed.
+    #[error("{path}: {reason}")]
+    Data {
+        /// The file or directory.
+        path: String,
+        /// What is wrong, and for a missing data set how to get it.
+        reason: String,
+    },
     /// Values from two different engines were combined in one op.
     #[error("{op}: operands belong to different engines (recorded at {location})")]
     EngineMismatch {

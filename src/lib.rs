@@ -31,6 +31,7 @@
 #![forbid(unsafe_code)]
 
 mod benchmark;
+pub mod data;
 mod device;
 mod engine;
 mod error;
@@ -40,6 +41,7 @@ mod sched;
 mod sync;
 mod task;
 pub mod tensor;
+pub mod train;
 mod var;
 
 pub use benchmark::Benchmark;

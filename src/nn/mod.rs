@@ -348,10 +348,18 @@ impl Module for Sequential {
 /// a normal × 0.01 (deterministic for `seed`), biases zero. On the CPU: place it
 /// with [`Sequential::replica_on`].
 pub fn lenet(engine: &Engine, seed: u64) -> Result<Sequential> {
-    let init = Init::Normal {
-        mean: 0.0,
-        std: 0.01,
-    };
+    lenet_with(
+        engine,
+        Init::Normal {
+            mean: 0.0,
+            std: 0.01,
+        },
+        seed,
+    )
+}
+
+/// [`lenet`] with the weights drawn by `init` (biases zero).
+pub fn lenet_with(engine: &Engine, init: Init, seed: u64) -> Result<Sequential> {
     Ok(Sequential::new()
         .add(Conv2d::new(engine, 1, 20, (3, 3), init, seed)?)
         .add(Activation::Relu)

@@ -1,0 +1,106 @@
+"""PyTorch CPU peer of `train_lenet`: the same LeNet (weights normal x 0.01,
+biases zero), the same data split sizes, batch, learning rate and SGD.
+
+Usage: python3 train_lenet_torch.py DATA_DIR EPOCHS BATCH LR THREADS [TRAIN_LIMIT]
+Prints one JSON object: {"version", "threads", "epochs": [{"epoch",
+"train_loss", "train_acc", "valid_acc", "seconds", "images_per_s"}],
+"test_acc"}.
+"""
+import gzip
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def idx(path):
+    with gzip.open(path, "rb") as f:
+        data = f.read()
+    rank = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(rank)]
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * rank).reshape(dims)
+
+
+def lenet():
+    net = nn.Sequential(
+        nn.Conv2d(1, 20, 3), nn.ReLU(), nn.AvgPool2d(2),
+        nn.Conv2d(20, 50, 5), nn.ReLU(), nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(800, 128), nn.ReLU(),
+        nn.Linear(128, 10),
+    )
+    for p in net.parameters():
+        if p.dim() > 1:
+            nn.init.normal_(p, std=0.01)
+        else:
+            nn.init.zeros_(p)
+    return net
+
+
+def accuracy(net, x, y, batch):
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(y), batch):
+            correct += (net(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum().item()
+    return correct / len(y)
+
+
+def main():
+    root = sys.argv[1]
+    epochs, batch = int(sys.argv[2]), int(sys.argv[3])
+    lr, threads = float(sys.argv[4]), int(sys.argv[5])
+    limit = int(sys.argv[6]) if len(sys.argv) > 6 else None
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    images = torch.tensor(idx(f"{root}/train-images-idx3-ubyte.gz"), dtype=torch.float32) / 255
+    labels = torch.tensor(idx(f"{root}/train-labels-idx1-ubyte.gz"), dtype=torch.int64)
+    test_x = torch.tensor(idx(f"{root}/t10k-images-idx3-ubyte.gz"), dtype=torch.float32) / 255
+    test_y = torch.tensor(idx(f"{root}/t10k-labels-idx1-ubyte.gz"), dtype=torch.int64)
+    images, test_x = images.unsqueeze(1), test_x.unsqueeze(1)
+    order = torch.randperm(len(labels))
+    valid_idx, train_idx = order[:10000], order[10000:]
+    if limit:
+        train_idx = train_idx[:limit]
+    train_x, train_y = images[train_idx], labels[train_idx]
+    valid_x, valid_y = images[valid_idx], labels[valid_idx]
+    net = lenet()
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    report = []
+    for epoch in range(epochs):
+        perm = torch.randperm(len(train_y))
+        start = time.perf_counter()
+        loss_sum, correct = 0.0, 0
+        for i in range(0, len(train_y), batch):
+            b = perm[i:i + batch]
+            x, y = train_x[b], train_y[b]
+            opt.zero_grad()
+            out = net(x)
+            loss = F.cross_entropy(out, y, reduction="sum")
+            (loss / len(y)).backward()
+            opt.step()
+            loss_sum += loss.item()
+            correct += (out.argmax(1) == y).sum().item()
+        seconds = time.perf_counter() - start
+        report.append({
+            "epoch": epoch + 1,
+            "train_loss": loss_sum / len(train_y),
+            "train_acc": correct / len(train_y),
+            "valid_acc": accuracy(net, valid_x, valid_y, batch),
+            "seconds": seconds,
+            "images_per_s": len(train_y) / seconds,
+        })
+        print(json.dumps(report[-1]), file=sys.stderr)
+    print(json.dumps({
+        "version": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "epochs": report,
+        "test_acc": accuracy(net, test_x, test_y, batch),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+//! Training on one or several devices: the book's `train_ch13`, with the
+//! engine doing the overlap.
+//!
+//! [`fit`] runs epochs of [`DataParallel::train_batch`] over shuffled
+//! minibatches. The batch loop only records: each device's loss sum and
+//! correct count accumulate in tensors on the device and are read once per
+//! epoch, so the loop contains no blocker (the report counts them from the
+//! engine's statistics), and memory stays bounded by the engine's backpressure
+//! instead of a wait per minibatch.
+
+mod optim;
+mod parallel;
+
+pub use optim::{Sgd, StepLr};
+pub use parallel::{
+    allreduce, split_batch, split_batch_weighted, BatchMetrics, DataParallel, Shard,
+};
+
+use crate::data::Dataset;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::nn::Sequential;
+use crate::tensor::Tensor;
+use crate::Engine;
+use std::path::Path;
+use std::time::Instant;
+
+/// Parses a device list such as `cpu`, `gpu:0,gpu:1` or `cpu,gpu:0` (`gpu`
+/// means `gpu:0`; a device may repeat, which puts two replicas on it) and
+/// checks every device exists in `engine`.
+///
+/// ```
+/// use lazyflow::{train::parse_devices, Device, Engine};
+/// let engine = Engine::builder().workers(1).build().unwrap();
+/// assert_eq!(parse_devices(&engine, "cpu,cpu").unwrap(), vec![Device::Cpu, Device::Cpu]);
+/// assert!(parse_devices(&engine, "tpu:0").is_err());
+/// assert!(parse_devices(&engine, "").is_err());
+/// ```
+#[track_caller]
+pub fn parse_devices(engine: &Engine, spec: &str) -> Result<Vec<Device>> {
+    let location = crate::error::Location::caller();
+    let err = |reason: String| Error::InvalidArgument {
+        op: "devices",
+        shape: String::new(),
+        reason,
+        location,
+    };
+    let present = engine.devices();
+    let mut out = Vec::new();
+    for name in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let device = match name {
+            "cpu" => Device::Cpu,
+            "gpu" => Device::Gpu(0),
+            _ => match name.strip_prefix("gpu:").and_then(|i| i.parse().ok()) {
+                Some(i) => Device::Gpu(i),
+                None => {
+                    return Err(err(format!(
+                        "unknown device {name:?} (expected cpu, gpu or gpu:N)"
+                    )))
+                }
+            },
+        };
+        if !present.contains(&device) {
+            let names: Vec<String> = present.iter().map(|d| d.to_string()).collect();
+            return Err(err(format!(
+                "{device} does not exist here (devices: {})",
+                names.join(", ")
+            )));
+        }
+        out.push(device);
+    }
+    if out.is_empty() {
+        return Err(err(format!("no devices in {spec:?}")));
+    }
+    Ok(out)
+}
+
+/// What [`fit`] does.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// Passes over the training set.
+    pub epochs: usize,
+    /// Examples per minibatch (over all devices together).
+    pub batch_size: usize,
+    /// The learning rate per epoch.
+    pub lr: StepLr,
+    /// SGD momentum.
+    pub momentum: f32,
+    /// L2 weight decay.
+    pub weight_decay: f32,
+    /// Seeds the shuffling.
+    pub seed: u64,
+    /// Shows a progress bar on the terminal.
+    pub progress: bool,
+}
+
+impl Default for TrainConfig {
+    /// The book's: 10 epochs, batch 256, learning rate 0.2, plain SGD.
+    fn default() -> Self {
+        TrainConfig {
+            epochs: 10,
+            batch_size: 256,
+            lr: StepLr {
+                base: 0.2,
+                period: 0,
+                decay: 1.0,
+            },
+            momentum: 0.0,
+            weight_decay: 0.0,
+            seed: 0,
+            progress: true,
+        }
+    }
+}
+
+/// One epoch's figures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EpochStats {
+    /// Counted from 1.
+    pub epoch: usize,
+    /// The learning rate used.
+    pub lr: f32,
+    /// Mean cross-entropy over the epoch's training examples.
+    pub train_loss: f64,
+    /// Fraction of training examples classified correctly (as trained).
+    pub train_acc: f64,
+    /// Fraction of validation examples classified correctly after the epoch.
+    pub valid_acc: f64,
+    /// Seconds of training (the batch loop and the wait for its work).
+    pub seconds: f64,
+    /// Training examples per second.
+    pub images_per_s: f64,
+    /// Blockers the batch loop waited on (0: it only recorded).
+    pub blockers: u64,
+}
+
+/// What [`fit`] measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainReport {
+    /// The devices trained on.
+    pub devices: Vec<String>,
+    /// One entry per epoch.
+    pub epochs: Vec<EpochStats>,
+    /// Accuracy on the test set after training.
+    pub test_acc: f64,
+}
+
+impl TrainReport {
+    /// The per-epoch table, as text.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "{:>5} {:>7} {:>10} {:>9} {:>9} {:>8} {:>9} {:>8}\n",
+            "epoch",
+            "lr",
+            "train_loss",
+            "train_acc",
+            "valid_acc",
+            "seconds",
+            "images/s",
+            "blockers"
+        );
+        for e in &self.epochs {
+            out.push_str(&format!(
+                "{:>5} {:>7.4} {:>10.4} {:>9.4} {:>9.4} {:>8.2} {:>9.0} {:>8}\n",
+                e.epoch,
+                e.lr,
+                e.train_loss,
+                e.train_acc,
+                e.valid_acc,
+                e.seconds,
+                e.images_per_s,
+                e.blockers
+            ));
+        }
+        out.push_str(&format!(
+            "test accuracy {:.4} on {}\n",
+            self.test_acc,
+            self.devices.join(", ")
+        ));
+        out
+    }
+
+    /// The report as JSON: `{"devices", "epochs": [{"epoch", "lr",
+    /// "train_loss", "train_acc", "valid_acc", "seconds", "images_per_s",
+    /// "blockers"}], "test_acc"}`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let epochs: Vec<serde_json::Value> = self
+            .epochs
+            .iter()
+            .map(|e| {
+                serde_json::json!({
+                    "epoch": e.epoch, "lr": e.lr, "train_loss": e.train_loss,
+                    "train_acc": e.train_acc, "valid_acc": e.valid_acc, "seconds": e.seconds,
+                    "images_per_s": e.images_per_s, "blockers": e.blockers,
+                })
+            })
+            .collect();
+        serde_json::json!({"devices": self.devices, "epochs": epochs, "test_acc": self.test_acc})
+    }
+
+    /// Writes the three curves per epoch (training loss, training accuracy,
+    /// validation accuracy) as an SVG plot.
+    pub fn plot(&self, path: &Path) -> Result<()> {
+        use plotters::prelude::*;
+        let fail = |e: &dyn std::fmt::Display| Error::Data {
+            path: path.display().to_string(),
+            reason: format!("cannot draw the plot: {e}"),
+        };
+        let root = SVGBackend::new(path, (640, 420)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| fail(&e))?;
+        let last = self.epochs.len().max(1) as f64;
+        let top = self
+            .epochs
+            .iter()
+            .map(|e| e.train_loss)
+            .fold(1.0f64, f64::max)
+            .min(10.0);
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!("training on {}", self.devices.join(", ")),
+                ("sans-serif", 18),
+            )
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(44)
+            .build_cartesian_2d(1.0f64..last.max(2.0), 0.0f64..top)
+            .map_err(|e| fail(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("epoch")
+            .draw()
+            .map_err(|e| fail(&e))?;
+        let curves: [(&str, RGBColor, fn(&EpochStats) -> f64); 3] = [
+            ("train loss", BLUE, |e| e.train_loss),
+            ("train acc", MAGENTA, |e| e.train_acc),
+            ("valid acc", GREEN, |e| e.valid_acc),
+        ];
+        for (name, color, f) in curves {
+            chart
+                .draw_series(LineSeries::new(
+                    self.epochs.iter().map(|e| (e.epoch as f64, f(e).min(top))),
+                    color.stroke_width(2),
+                ))
+                .map_err(|e| fail(&e))?
+                .label(name)
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| fail(&e))?;
+        root.present().map_err(|e| fail(&e))?;
+        Ok(())
+    }
+}
+
+/// Adds `parts` (scalar tensors on various devices) into `acc` on the host
+/// side's terms: each device keeps its own running sum.
+fn accumulate(acc: &mut Vec<Option<Tensor>>, parts: Vec<Tensor>) -> Result<()> {
+    if acc.len() < parts.len() {
+        acc.resize(parts.len(), None);
+    }
+    for (slot, part) in acc.iter_mut().zip(parts) {
+        *slot = Some(match slot.take() {
+            Some(sum) => sum.add(&part)?,
+            None => part,
+        });
+    }
+    Ok(())
+}
+
+/// Reads running sums (the one blocker per sum and epoch).
+fn total(acc: &[Option<Tensor>]) -> Result<f64> {
+    let mut t = 0.0;
+    for s in acc.iter().flatten() {
+        t += s.item()? as f64;
+    }
+    Ok(t)
+}
+
+/// Correctly classified examples of `data`, evaluated on `model`'s devices.
+fn evaluate(engine: &Engine, model: &DataParallel, data: &Dataset, batch: usize) -> Result<f64> {
+    if data.is_empty() {
+        return Ok(f64::NAN);
+    }
+    let mut acc = Vec::new();
+    for (x, y) in data.batches_in_order(engine, batch) {
+        accumulate(&mut acc, model.correct(&x, &y)?)?;
+    }
+    Ok(total(&acc)? / data.len() as f64)
+}
+
+/// Trains `model` (copied onto each of `devices`) on `train`, reporting
+/// validation accuracy on `valid` after each epoch and test accuracy on `test`
+/// at the end. Returns the trained replicas and the report. A last minibatch
+/// smaller than the number of devices is skipped.
+///
+/// ```no_run
+/// use lazyflow::{data::FashionMnist, nn, train, Device, Engine};
+/// let engine = Engine::builder().build()?;
+/// let data = FashionMnist::load(None)?;
+/// let (train_set, valid) = data.train.split(10_000, 0);
+/// let net = nn::lenet(&engine, 0)?;
+/// let config = train::TrainConfig::default(); // the book's: 10 epochs, batch 256, lr 0.2
+/// let (_, report) = train::fit(&engine, &net, &train_set, &valid, &data.test, &[Device::Cpu], &config)?;
+/// print!("{}", report.table());
+/// # Ok::<(), lazyflow::Error>(())
+/// ```
+pub fn fit(
+    engine: &Engine,
+    model: &Sequential,
+    train: &Dataset,
+    valid: &Dataset,
+    test: &Dataset,
+    devices: &[Device],
+    config: &TrainConfig,
+) -> Result<(DataParallel, TrainReport)> {
+    let mut dp = DataParallel::new(model, devices, config.momentum, config.weight_decay)?;
+    let batches_per_epoch = train.len().div_ceil(config.batch_size.max(1)) as u64;
+    let bar = if config.progress {
+        indicatif::ProgressBar::new(batches_per_epoch * config.epochs as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:30}] {pos}/{len} batches, {elapsed} elapsed, {eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut epochs = Vec::with_capacity(config.epochs);
+    for epoch in 0..config.epochs {
+        let lr = config.lr.at(epoch);
+        bar.set_message(format!("epoch {}/{}", epoch + 1, config.epochs));
+        let start = Instant::now();
+        let blockers_before = engine.stats().blockers;
+        let (mut loss, mut correct) = (Vec::new(), Vec::new());
+        let mut seen = 0;
+        for (x, y) in train.batches(
+            engine,
+            config.batch_size,
+            config.seed.wrapping_add(epoch as u64),
+        ) {
+            bar.inc(1);
+            if y.len() < devices.len() {
+                continue;
+            }
+            let metrics = dp.train_batch(&x, &y, lr)?;
+            seen += y.len();
+            accumulate(
+                &mut loss,
+                metrics.iter().map(|m| m.loss_sum.clone()).collect(),
+            )?;
+            accumulate(
+                &mut correct,
+                metrics.into_iter().map(|m| m.correct).collect(),
+            )?;
+        }
+        let blockers = engine.stats().blockers - blockers_before;
+        engine.wait_all()?;
+        let seconds = start.elapsed().as_secs_f64();
+        let train_loss = total(&loss)? / seen.max(1) as f64;
+        let train_acc = total(&correct)? / seen.max(1) as f64;
+        let valid_acc = evaluate(engine, &dp, valid, config.batch_size)?;
+        let stats = EpochStats {
+            epoch: epoch + 1,
+            lr,
+            train_loss,
+            train_acc,
+            valid_acc,
+            seconds,
+            images_per_s: seen as f64 / seconds,
+            blockers,
+        };
+        bar.println(format!(
+            "epoch {:>3}: loss {:.4}, train acc {:.4}, valid acc {:.4}, {:.0} images/s, {} blockers in the batch loop",
+            stats.epoch, stats.train_loss, stats.train_acc, stats.valid_acc, stats.images_per_s, stats.blockers
+        ));
+        epochs.push(stats);
+    }
+    bar.finish_and_clear();
+    let test_acc = evaluate(engine, &dp, test, config.batch_size)?;
+    let report = TrainReport {
+        devices: devices.iter().map(|d| d.to_string()).collect(),
+        epochs,
+        test_acc,
+    };
+    Ok((dp, report))
+}
