@@ -45,6 +45,9 @@ struct Args {
     /// Validation images held out of the training set.
     #[arg(long, default_value_t = 10_000)]
     valid: usize,
+    /// Trains on at most this many images (0: all).
+    #[arg(long, default_value_t = 0)]
+    train: usize,
     /// Directory of the IDX files (else LAZYFLOW_DATA, else Debian's path).
     #[arg(long)]
     data: Option<PathBuf>,
@@ -54,16 +57,60 @@ struct Args {
     /// Writes the report as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// A subset (12,000 training and 2,000 validation and test images, 3
-    /// epochs), for CI.
+    /// A short run that learns, for CI: 2,000 training and 1,000 validation
+    /// and test images, Kaiming initialisation and `TrainConfig::quick()` (3
+    /// epochs, batch 32, lr 0.04 halved every epoch, momentum 0.9, weight
+    /// decay 1e-4) in place of the other settings.
     #[arg(long)]
     quick: bool,
     /// Weight initialisation: `book` (normal x 0.01, the book's) or `kaiming`.
     #[arg(long, default_value = "book")]
     init: String,
+    /// Also trains the same LeNet with PyTorch's CPU build (Debian's
+    /// python3-torch), same threads and settings, after this run.
+    #[arg(long)]
+    pytorch: bool,
     /// Seed of the weights and the shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+/// Runs `examples/peers/train_lenet_torch.py` with the Python that imports
+/// torch (`LAZYFLOW_PYTHON`, `python3`, `/usr/bin/python3`).
+fn pytorch(
+    dir: &std::path::Path,
+    epochs: usize,
+    args: &Args,
+    threads: usize,
+    limit: usize,
+) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/peers/train_lenet_torch.py"
+    );
+    let pythons = std::env::var("LAZYFLOW_PYTHON")
+        .into_iter()
+        .chain(["python3".to_string(), "/usr/bin/python3".to_string()]);
+    let mut last = String::from("no Python found");
+    for python in pythons {
+        let out = std::process::Command::new(&python)
+            .arg(script)
+            .arg(dir)
+            .args([epochs, args.batch_size].map(|v| v.to_string()))
+            .args([args.lr, args.momentum, args.wd].map(|v| v.to_string()))
+            .args([threads, limit].map(|v| v.to_string()))
+            .stderr(std::process::Stdio::inherit())
+            .output();
+        match out {
+            Ok(out) if out.status.success() => return Ok(serde_json::from_slice(&out.stdout)?),
+            Ok(out) => last = format!("{python} exited with {}", out.status),
+            Err(e) => last = format!("{python}: {e}"),
+        }
+    }
+    Err(format!(
+        "the PyTorch peer did not run ({last}); install python3-torch or set LAZYFLOW_PYTHON"
+    )
+    .into())
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -71,24 +118,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let engine = Engine::builder().logical_devices(args.logical).build()?;
     let devices = train::parse_devices(&engine, &args.devices)?;
     let data = FashionMnist::load(args.data.as_deref())?;
-    let (mut train_set, mut valid) = data.train.split(args.valid, args.seed);
+    let valid_len = if args.quick { 1_000 } else { args.valid };
+    let (mut train_set, mut valid) = data.train.split(valid_len, args.seed);
     let mut test = data.test;
-    let mut epochs = args.epochs;
-    if args.quick {
-        train_set = train_set.take(12_000);
-        valid = valid.take(2_000);
-        test = test.take(2_000);
-        epochs = epochs.min(3);
+    if args.train > 0 {
+        train_set = train_set.take(args.train);
     }
-    for d in &devices {
-        println!("{d}: {}", engine.describe(*d));
-    }
-    println!(
-        "{} training, {} validation, {} test images; batch {}, lr {} (x{} every {} epochs), momentum {}, weight decay {}",
-        train_set.len(), valid.len(), test.len(), args.batch_size, args.lr, args.lr_decay, args.lr_period, args.momentum, args.wd
-    );
-    let config = TrainConfig {
-        epochs,
+    let mut config = TrainConfig {
+        epochs: args.epochs,
         batch_size: args.batch_size,
         lr: StepLr {
             base: args.lr,
@@ -100,7 +137,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         seed: args.seed,
         progress: true,
     };
-    let net = match args.init.as_str() {
+    let mut init = args.init.clone();
+    if args.quick {
+        train_set = train_set.take(2_000);
+        valid = valid.take(1_000);
+        test = test.take(1_000);
+        config = TrainConfig {
+            seed: args.seed,
+            progress: true,
+            ..TrainConfig::quick()
+        };
+        init = "kaiming".to_string();
+    }
+    let epochs = config.epochs;
+    for d in &devices {
+        println!("{d}: {}", engine.describe(*d));
+    }
+    println!(
+        "{} training, {} validation, {} test images; {epochs} epochs, batch {}, lr {} (x{} every {} epochs), momentum {}, weight decay {}, init {init}",
+        train_set.len(),
+        valid.len(),
+        test.len(),
+        config.batch_size,
+        config.lr.base,
+        config.lr.decay,
+        config.lr.period,
+        config.momentum,
+        config.weight_decay
+    );
+    let net = match init.as_str() {
         "book" => nn::lenet(&engine, args.seed)?,
         "kaiming" => nn::lenet_with(&engine, nn::Init::KaimingNormal, args.seed)?,
         other => return Err(format!("unknown --init {other:?} (book or kaiming)").into()),
@@ -119,6 +184,39 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "cpu_threads": engine.cpu_threads(),
         "devices": devices.iter().map(|d| engine.describe(*d)).collect::<Vec<_>>(),
     });
+    json["pytorch"] = serde_json::Value::Null;
+    if args.pytorch {
+        if args.lr_period != 0 || init != "book" {
+            return Err(
+                "--pytorch runs the book's setup: no --lr-period, --init book, --quick".into(),
+            );
+        }
+        let dir = args
+            .data
+            .clone()
+            .or_else(|| std::env::var_os("LAZYFLOW_DATA").map(PathBuf::from))
+            .unwrap_or_else(|| PathBuf::from(lazyflow::data::DEBIAN_DIR));
+        let limit = if args.quick { train_set.len() } else { 0 };
+        let peer = pytorch(&dir, epochs, &args, engine.cpu_threads(), limit)?;
+        println!("pytorch (same settings, {} threads):", peer["threads"]);
+        for e in peer["epochs"].as_array().into_iter().flatten() {
+            println!(
+                "{:>5} {:>7} {:>10.4} {:>9.4} {:>9.4} {:>8.2} {:>9.0}",
+                e["epoch"],
+                "",
+                e["train_loss"].as_f64().unwrap_or(f64::NAN),
+                e["train_acc"].as_f64().unwrap_or(f64::NAN),
+                e["valid_acc"].as_f64().unwrap_or(f64::NAN),
+                e["seconds"].as_f64().unwrap_or(f64::NAN),
+                e["images_per_s"].as_f64().unwrap_or(f64::NAN)
+            );
+        }
+        println!(
+            "pytorch test accuracy {:.4}",
+            peer["test_acc"].as_f64().unwrap_or(f64::NAN)
+        );
+        json["pytorch"] = peer;
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
         println!("wrote {}", path.display());

@@ -1,7 +1,8 @@
 """PyTorch CPU peer of `train_lenet`: the same LeNet (weights normal x 0.01,
 biases zero), the same data split sizes, batch, learning rate and SGD.
 
-Usage: python3 train_lenet_torch.py DATA_DIR EPOCHS BATCH LR THREADS [TRAIN_LIMIT]
+Usage: python3 train_lenet_torch.py DATA_DIR EPOCHS BATCH LR MOMENTUM WD THREADS TRAIN_LIMIT
+(TRAIN_LIMIT 0: all 50,000 training images; 10,000 are held out for validation)
 Prints one JSON object: {"version", "threads", "epochs": [{"epoch",
 "train_loss", "train_acc", "valid_acc", "seconds", "images_per_s"}],
 "test_acc"}.
@@ -52,8 +53,8 @@ def accuracy(net, x, y, batch):
 def main():
     root = sys.argv[1]
     epochs, batch = int(sys.argv[2]), int(sys.argv[3])
-    lr, threads = float(sys.argv[4]), int(sys.argv[5])
-    limit = int(sys.argv[6]) if len(sys.argv) > 6 else None
+    lr, momentum, wd = float(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
+    threads, limit = int(sys.argv[7]), int(sys.argv[8])
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     images = torch.tensor(idx(f"{root}/train-images-idx3-ubyte.gz"), dtype=torch.float32) / 255
@@ -68,7 +69,7 @@ def main():
     train_x, train_y = images[train_idx], labels[train_idx]
     valid_x, valid_y = images[valid_idx], labels[valid_idx]
     net = lenet()
-    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
     report = []
     for epoch in range(epochs):
         perm = torch.randperm(len(train_y))
