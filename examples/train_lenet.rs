@@ -22,6 +22,9 @@ struct Args {
     /// Devices: cpu, gpu:0, gpu:0,gpu:1, cpu,gpu:0 (one replica each).
     #[arg(long, default_value = "cpu")]
     devices: String,
+    /// Relative shard sizes per device, e.g. `1,4` (default: equal).
+    #[arg(long, value_delimiter = ',')]
+    weights: Option<Vec<f64>>,
     /// Logical devices to open per GPU adapter.
     #[arg(long, default_value_t = 1)]
     logical: usize,
@@ -48,6 +51,9 @@ struct Args {
     /// Trains on at most this many images (0: all).
     #[arg(long, default_value_t = 0)]
     train: usize,
+    /// Tests on at most this many images (0: all 10,000).
+    #[arg(long, default_value_t = 0)]
+    test: usize,
     /// Directory of the IDX files (else LAZYFLOW_DATA, else Debian's path).
     #[arg(long)]
     data: Option<PathBuf>,
@@ -124,6 +130,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.train > 0 {
         train_set = train_set.take(args.train);
     }
+    if args.test > 0 {
+        test = test.take(args.test);
+    }
     let mut config = TrainConfig {
         epochs: args.epochs,
         batch_size: args.batch_size,
@@ -136,6 +145,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         weight_decay: args.wd,
         seed: args.seed,
         progress: true,
+        weights: args.weights.clone(),
     };
     let mut init = args.init.clone();
     if args.quick {

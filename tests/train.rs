@@ -95,9 +95,17 @@ fn allreduce_sums_over_two_and_three_devices() {
 
 /// Trains `steps` minibatches on `devices` and returns every replica's
 /// parameters on the host.
-fn train_steps(e: &Engine, devices: &[Device], steps: usize) -> Vec<Vec<Vec<f32>>> {
+fn train_steps(
+    e: &Engine,
+    devices: &[Device],
+    weights: Option<&[f64]>,
+    steps: usize,
+) -> Vec<Vec<Vec<f32>>> {
     let net = nn::lenet_with(e, Init::KaimingNormal, 5).unwrap();
     let mut dp = DataParallel::new(&net, devices, 0.9, 1e-3).unwrap();
+    if let Some(w) = weights {
+        dp.set_weights(w).unwrap();
+    }
     let batch = 12;
     for step in 0..steps {
         let x = Tensor::from_vec_in(
@@ -139,7 +147,7 @@ fn train_steps(e: &Engine, devices: &[Device], steps: usize) -> Vec<Vec<Vec<f32>
 #[test]
 fn several_devices_give_the_parameters_of_one() {
     let e = engine();
-    let one = train_steps(&e, &[Device::Cpu], 3);
+    let one = train_steps(&e, &[Device::Cpu], None, 3);
     let start = nn::lenet_with(&e, Init::KaimingNormal, 5).unwrap();
     let moved = start
         .parameters()
@@ -147,8 +155,12 @@ fn several_devices_give_the_parameters_of_one() {
         .zip(&one[0])
         .any(|(p, q)| p.to_vec().unwrap() != *q);
     assert!(moved, "training changed the parameters");
-    for devices in device_sets(&e, 2) {
-        let many = train_steps(&e, &devices, 3);
+    let mut runs: Vec<(Vec<Device>, Option<Vec<f64>>)> =
+        device_sets(&e, 2).into_iter().map(|d| (d, None)).collect();
+    // Unequal shards (weighted by device) change nothing either.
+    runs.push((vec![Device::Cpu; 2], Some(vec![1.0, 3.0])));
+    for (devices, weights) in runs {
+        let many = train_steps(&e, &devices, weights.as_deref(), 3);
         for (i, (p, q)) in many[0].iter().zip(&one[0]).enumerate() {
             let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (a, b) in p.iter().zip(q) {
@@ -198,6 +210,14 @@ fn bad_input_is_an_error() {
     assert!(err.to_string().contains("cross_entropy"), "{err}");
     // The engine and its workers go on.
     assert_eq!((Tensor::ones_in(&e, [4]) * 2.0).sum().item().unwrap(), 8.0);
+}
+
+fn dp_weights_refused(e: &Engine) -> bool {
+    let net = nn::lenet(e, 0).unwrap();
+    let mut dp = DataParallel::new(&net, &[Device::Cpu, Device::Cpu], 0.0, 0.0).unwrap();
+    dp.set_weights(&[1.0]).is_err()
+        && dp.set_weights(&[1.0, f64::NAN]).is_err()
+        && dp.set_weights(&[1.0, 2.0]).is_ok()
 }
 
 fn idx_bytes(magic: [u8; 4], dims: &[u32], body: &[u8]) -> Vec<u8> {

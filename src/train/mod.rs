@@ -92,6 +92,8 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Shows a progress bar on the terminal.
     pub progress: bool,
+    /// Relative shard sizes per device (`None`: equal).
+    pub weights: Option<Vec<f64>>,
 }
 
 impl Default for TrainConfig {
@@ -109,6 +111,7 @@ impl Default for TrainConfig {
             weight_decay: 0.0,
             seed: 0,
             progress: true,
+            weights: None,
         }
     }
 }
@@ -133,6 +136,7 @@ impl TrainConfig {
             weight_decay: 1e-4,
             seed: 0,
             progress: false,
+            weights: None,
         }
     }
 }
@@ -345,6 +349,9 @@ pub fn fit(
     config: &TrainConfig,
 ) -> Result<(DataParallel, TrainReport)> {
     let mut dp = DataParallel::new(model, devices, config.momentum, config.weight_decay)?;
+    if let Some(w) = &config.weights {
+        dp.set_weights(w)?;
+    }
     let batches_per_epoch = train.len().div_ceil(config.batch_size.max(1)) as u64;
     let bar = if config.progress {
         indicatif::ProgressBar::new(batches_per_epoch * config.epochs as u64)

@@ -175,6 +175,8 @@ pub struct BatchMetrics {
 /// A model replicated on several devices, each replica with its own optimizer.
 pub struct DataParallel {
     devices: Vec<Device>,
+    /// Relative shard sizes, one per device (equal by default).
+    weights: Vec<f64>,
     replicas: Vec<Sequential>,
     optimizers: Vec<Sgd>,
 }
@@ -213,6 +215,7 @@ impl DataParallel {
         }
         Ok(DataParallel {
             devices: devices.to_vec(),
+            weights: vec![1.0; devices.len()],
             optimizers: devices
                 .iter()
                 .map(|_| Sgd::new(momentum, weight_decay))
@@ -224,6 +227,28 @@ impl DataParallel {
     /// The devices, in order.
     pub fn devices(&self) -> &[Device] {
         &self.devices
+    }
+
+    /// Sizes the shards in proportion to `weights` (one positive weight per
+    /// device), e.g. by measured throughput when a GPU trains next to the CPU.
+    #[track_caller]
+    pub fn set_weights(&mut self, weights: &[f64]) -> Result<()> {
+        let location = Location::caller();
+        if weights.len() != self.devices.len()
+            || weights.iter().any(|w| !(w.is_finite() && *w > 0.0))
+        {
+            return Err(arg(
+                "data_parallel",
+                String::new(),
+                format!(
+                    "need one positive weight per device ({}), got {weights:?}",
+                    self.devices.len()
+                ),
+                location,
+            ));
+        }
+        self.weights = weights.to_vec();
+        Ok(())
     }
 
     /// The replicas, one per device.
@@ -238,7 +263,7 @@ impl DataParallel {
     /// loss sum and correct count as tensors on the device.
     #[track_caller]
     pub fn train_batch(&mut self, x: &Tensor, y: &[u32], lr: f32) -> Result<Vec<BatchMetrics>> {
-        let shards = split_batch(x, y, &self.devices)?;
+        let shards = split_batch_weighted(x, y, &self.devices, &self.weights)?;
         let total = y.len();
         let mut metrics = Vec::with_capacity(shards.len());
         for (replica, shard) in self.replicas.iter().zip(&shards) {
