@@ -7,7 +7,7 @@ mod common;
 use common::device_test;
 use lazyflow::data::{Dataset, FashionMnist, Idx};
 use lazyflow::nn::{self, Init, Module};
-use lazyflow::train::{self, allreduce, split_batch, DataParallel, StepLr, TrainConfig};
+use lazyflow::train::{self, allreduce, split_batch, DataParallel, TrainConfig};
 use lazyflow::{Device, Engine, Error, Tensor};
 use std::io::Write;
 
@@ -200,6 +200,20 @@ fn bad_input_is_an_error() {
         split_batch(&x, &[0], &[Device::Cpu]).is_err(),
         "labels and examples"
     );
+    let ten = Tensor::zeros_in(&e, [10, 3]);
+    let labels: Vec<u32> = (0..10).collect();
+    let sizes = |w: &[f64]| -> Vec<usize> {
+        train::split_batch_weighted(&ten, &labels, &vec![Device::Cpu; w.len()], w)
+            .unwrap()
+            .iter()
+            .map(|s| s.y.len())
+            .collect()
+    };
+    assert_eq!(sizes(&[1.0, 4.0]), vec![2, 8]);
+    assert_eq!(sizes(&[1.0, 1.0, 1.0]), vec![4, 3, 3]);
+    assert_eq!(sizes(&[1.0, 1000.0]), vec![1, 9], "every device gets one");
+    assert!(train::split_batch_weighted(&ten, &labels, &[Device::Cpu; 2], &[1.0, 0.0]).is_err());
+    assert!(dp_weights_refused(&e));
     let mut dp =
         DataParallel::new(&net, &[Device::Cpu, Device::Cpu, Device::Cpu], 0.0, 0.0).unwrap();
     assert!(dp.train_batch(&x, &[0, 1], 0.1).is_err());

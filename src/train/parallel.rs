@@ -92,16 +92,22 @@ pub fn split_batch_weighted(
             location,
         ));
     }
-    // Largest remainders, after one example each.
+    // Proportional shares rounded down, at least one each; then the largest
+    // shards give back what the minimum of one took, and the largest
+    // remainders get what rounding left.
     let total: f64 = weights.iter().sum();
-    let spare = n - devices.len();
-    let exact: Vec<f64> = weights.iter().map(|w| w / total * spare as f64).collect();
-    let mut sizes: Vec<usize> = exact.iter().map(|e| 1 + e.floor() as usize).collect();
+    let exact: Vec<f64> = weights.iter().map(|w| w / total * n as f64).collect();
+    let mut sizes: Vec<usize> = exact.iter().map(|e| (e.floor() as usize).max(1)).collect();
+    while sizes.iter().sum::<usize>() > n {
+        let largest = (0..sizes.len())
+            .max_by_key(|&i| (sizes[i], usize::MAX - i))
+            .unwrap_or(0);
+        sizes[largest] -= 1;
+    }
     let mut order: Vec<usize> = (0..devices.len()).collect();
     order.sort_by(|&a, &b| {
-        (exact[b] - exact[b].floor())
-            .total_cmp(&(exact[a] - exact[a].floor()))
-            .then(a.cmp(&b))
+        let frac = |i: usize| exact[i] - exact[i].floor();
+        frac(b).total_cmp(&frac(a)).then(a.cmp(&b))
     });
     let mut left = n - sizes.iter().sum::<usize>();
     for &i in order.iter().cycle() {
