@@ -278,10 +278,7 @@ impl Tensor {
             }
         };
         let order = match root {
-            Tape::Leaf(leaf) => {
-                accumulate(leaf, seed);
-                return Ok(());
-            }
+            Tape::Leaf(leaf) => return accumulate(leaf, seed, location),
             Tape::Op(node) => topological(node),
         };
         // Check the whole tape first, so a freed tape records nothing.
@@ -322,7 +319,7 @@ impl Tensor {
                     continue;
                 };
                 match input {
-                    Tape::Op(n) => add_into(&mut grads, key(n), gi)?,
+                    Tape::Op(n) => add_into(&mut grads, key(n), gi, location)?,
                     Tape::Leaf(leaf) => match leaves.remove(&key(leaf)) {
                         Some((l, acc)) => {
                             let sum = acc.add_at_untaped(&gi, location)?;
@@ -336,7 +333,7 @@ impl Tensor {
             }
         }
         for (leaf, g) in leaves.into_values() {
-            accumulate(&leaf, g);
+            accumulate(&leaf, g, location)?;
         }
         Ok(())
     }
@@ -397,29 +394,31 @@ impl Tensor {
     }
 }
 
-fn add_into(map: &mut HashMap<usize, Tensor>, k: usize, g: Tensor) -> Result<()> {
+/// Adds `g` to the gradient gathered so far for node `k` (recorded at the
+/// `backward` call's location).
+fn add_into(
+    map: &mut HashMap<usize, Tensor>,
+    k: usize,
+    g: Tensor,
+    location: Location,
+) -> Result<()> {
     let sum = match map.remove(&k) {
-        Some(acc) => {
-            let location = Location::caller();
-            acc.add_at_untaped(&g, location)?
-        }
+        Some(acc) => acc.add_at_untaped(&g, location)?,
         None => g,
     };
     map.insert(k, sum);
     Ok(())
 }
 
-fn accumulate(leaf: &Leaf, g: Tensor) {
+/// Adds `g` to a leaf's gradient (recorded at the `backward` call's location).
+fn accumulate(leaf: &Leaf, g: Tensor, location: Location) -> Result<()> {
     let mut slot = leaf.grad.lock().unwrap_or_else(|p| p.into_inner());
-    let next = match slot.take() {
-        // Shapes and devices agree by construction.
-        Some(old) => {
-            let _g = NoGrad::new();
-            &old + &g
-        }
+    let next = match &*slot {
+        Some(old) => old.add_at_untaped(&g, location)?,
         None => g,
     };
     *slot = Some(next);
+    Ok(())
 }
 
 /// The op nodes reachable from `root`, each before the nodes of its inputs.

@@ -279,9 +279,8 @@ impl Tensor {
                     at.matmul_at(g, l)
                 } else {
                     // A shared B gathers every batch entry: [k, B*m] @ [B*m, n].
-                    let (m, k) = (a.dims()[ra - 2], a.dims()[ra - 1]);
+                    let k = a.dims()[ra - 1];
                     let rows = a.numel() / k.max(1);
-                    let _ = m;
                     let a2 = a.reshape_at([rows, k], l)?.transpose_at(0, 1, l)?;
                     a2.matmul_at(&g.reshape_at([rows, g.dims()[g.shape.rank() - 1]], l)?, l)
                 }
