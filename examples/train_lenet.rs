@@ -99,6 +99,17 @@ fn pytorch(
         .chain(["python3".to_string(), "/usr/bin/python3".to_string()]);
     let mut last = String::from("no Python found");
     for python in pythons {
+        // Quietly skip interpreters without torch and numpy.
+        let usable = std::process::Command::new(&python)
+            .args(["-c", "import torch, numpy"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !usable {
+            last = format!("{python} cannot import torch and numpy");
+            continue;
+        }
         let out = std::process::Command::new(&python)
             .arg(script)
             .arg(dir)

@@ -18,6 +18,11 @@
 //! - A failing node poisons what it writes; dependents are skipped, other work goes
 //!   on, and the next blocker on an affected value returns the error, naming the
 //!   op and where it was recorded.
+//! - Reverse-mode autodiff on a tape beside the tensors: [`Tensor::backward`]
+//!   records the gradient ops and returns at once ([`no_grad`] records without a
+//!   tape). [`nn`] has the layers of a small CNN (the book's LeNet included),
+//!   [`data`] reads Fashion-MNIST, and [`train`] trains data-parallel over
+//!   several devices with the book's training function.
 //!
 //! ```
 //! use lazyflow::{Engine, Tensor};
