@@ -14,8 +14,9 @@ import time
 
 import numpy as np
 import torch
-from torch import nn
 from torch.nn import functional as F
+
+from lenet_torch import lenet  # the same network as the benchmark peer
 
 
 def idx(path):
@@ -24,22 +25,6 @@ def idx(path):
     rank = data[3]
     dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(rank)]
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * rank).reshape(dims)
-
-
-def lenet():
-    net = nn.Sequential(
-        nn.Conv2d(1, 20, 3), nn.ReLU(), nn.AvgPool2d(2),
-        nn.Conv2d(20, 50, 5), nn.ReLU(), nn.AvgPool2d(2),
-        nn.Flatten(),
-        nn.Linear(800, 128), nn.ReLU(),
-        nn.Linear(128, 10),
-    )
-    for p in net.parameters():
-        if p.dim() > 1:
-            nn.init.normal_(p, std=0.01)
-        else:
-            nn.init.zeros_(p)
-    return net
 
 
 def accuracy(net, x, y, batch):

@@ -43,18 +43,29 @@ pub trait Module: Send + Sync {
     fn describe(&self) -> String;
 }
 
-/// A copy of `p` on `device` as a new leaf (a copy even on the same device).
+/// A copy of `p` on `device` as a new leaf (a copy even on the same device:
+/// `x * 1` is exact for every value).
 fn param_copy(p: &Tensor, device: Device) -> Result<Tensor> {
-    let value = crate::no_grad(|| -> Result<Tensor> {
-        let moved = p.detach().to(device)?;
-        if moved.same_data(p) {
-            let copy = Tensor::zeros_in(p.engine(), p.shape().clone()).to(device)?;
-            copy.copy_from(&moved)?;
-            return Ok(copy);
+    let value = crate::no_grad(|| {
+        if device == p.device() {
+            Ok(p.detach().mul_scalar(1.0))
+        } else {
+            p.detach().to(device)
         }
-        Ok(moved)
-    });
-    Ok(value?.requires_grad(true))
+    })?;
+    Ok(value.requires_grad(true))
+}
+
+/// [`param_copy`] of an optional bias.
+fn bias_copy(bias: &Option<Tensor>, device: Device) -> Result<Option<Tensor>> {
+    bias.as_ref().map(|b| param_copy(b, device)).transpose()
+}
+
+/// A layer's parameters in order: its weight, then its bias if it has one.
+fn weight_and_bias(weight: &Tensor, bias: &Option<Tensor>) -> Vec<Tensor> {
+    std::iter::once(weight.clone())
+        .chain(bias.clone())
+        .collect()
 }
 
 /// `y = x @ weight + bias`, with `weight` `[inputs, outputs]`: `x` is `[..., inputs]`.
@@ -94,19 +105,13 @@ impl Module for Linear {
     }
 
     fn parameters(&self) -> Vec<Tensor> {
-        std::iter::once(self.weight.clone())
-            .chain(self.bias.clone())
-            .collect()
+        weight_and_bias(&self.weight, &self.bias)
     }
 
     fn replica(&self, device: Device) -> Result<Box<dyn Module>> {
         Ok(Box::new(Linear {
             weight: param_copy(&self.weight, device)?,
-            bias: self
-                .bias
-                .as_ref()
-                .map(|b| param_copy(b, device))
-                .transpose()?,
+            bias: bias_copy(&self.bias, device)?,
         }))
     }
 
@@ -168,19 +173,13 @@ impl Module for Conv2d {
     }
 
     fn parameters(&self) -> Vec<Tensor> {
-        std::iter::once(self.weight.clone())
-            .chain(self.bias.clone())
-            .collect()
+        weight_and_bias(&self.weight, &self.bias)
     }
 
     fn replica(&self, device: Device) -> Result<Box<dyn Module>> {
         Ok(Box::new(Conv2d {
             weight: param_copy(&self.weight, device)?,
-            bias: self
-                .bias
-                .as_ref()
-                .map(|b| param_copy(b, device))
-                .transpose()?,
+            bias: bias_copy(&self.bias, device)?,
             stride: self.stride,
             padding: self.padding,
         }))

@@ -274,7 +274,7 @@ impl Tensor {
                     )));
                 }
                 let _g = NoGrad::new();
-                self.full_like(1.0)
+                self.full_shaped(self.shape.clone(), 1.0, location)
             }
         };
         let order = match root {

@@ -1,23 +1,20 @@
 //! 2-D convolution and pooling over NCHW tensors.
 //!
-//! A convolution is lowered to im2col (a gather of every window into a row)
-//! and one matrix product with the weight, on the CPU (faer's GEMM) and on a
-//! GPU (the tiled matmul kernel) alike; its gradient comes from the tape:
-//! col2im is the gradient of im2col, and the rest are matmul, transpose,
-//! reshape and a broadcast add. Pooling has its own kernels both ways.
+//! On a GPU a convolution is lowered to im2col (a gather of every window into
+//! a row), the tiled matmul kernel and a transpose; its gradient comes from
+//! the tape (col2im is the gradient of im2col). The CPU convolves one image at
+//! a time with its own gradients (`conv_kernels.rs`). Pooling has its own
+//! kernels both ways.
 
 use super::conv_kernels;
+use super::grads::when;
 use super::kernels::BinaryOp;
 use super::nn_kernels::{self, PoolKind, Window};
 use super::ops::{arg_err, shape_err};
 use super::{Shape, Tensor};
-use crate::device::gpu::{Grid, Kernel};
+use crate::device::gpu::{Gpu, Grid, Kernel};
 use crate::error::{Location, Result};
-
-/// `Some(f())` when `need`, else `None`.
-fn when(need: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
-    need.then(f).transpose()
-}
+use std::sync::Arc;
 
 /// Checks an NCHW input against a window geometry; returns the window.
 fn window(
@@ -117,12 +114,12 @@ impl Tensor {
             }
         }
         let win = window("conv2d", self, (wd[2], wd[3]), stride, padding, location)?;
-        if self.device == crate::device::Device::Cpu {
+        let Some(gpu) = self.gpu("conv2d", location)? else {
             return self.cpu_conv2d(weight, bias, win, location);
-        }
+        };
         // A GPU: [n * p, ckk] @ [ckk, o] = [n * p, o], then to [n, o, p].
         let (o, p, ckk) = (wd[0], win.oh() * win.ow(), win.c * win.kh * win.kw);
-        let cols = self.im2col_at(win, location)?;
+        let cols = self.im2col_at(gpu, win, location);
         let w2 = weight
             .reshape_at([o, ckk], location)?
             .transpose_at(0, 1, location)?;
@@ -228,41 +225,25 @@ impl Tensor {
         }))
     }
 
-    /// Every window of `self` (NCHW) as a row: `[n * oh * ow, c * kh * kw]`.
-    fn im2col_at(&self, win: Window, location: Location) -> Result<Tensor> {
+    /// Every window of `self` (NCHW, on `gpu`) as a row: `[n * oh * ow, c * kh * kw]`.
+    fn im2col_at(&self, gpu: Arc<Gpu>, win: Window, location: Location) -> Tensor {
         let shape = Shape::from([win.n * win.oh() * win.ow(), win.c * win.kh * win.kw]);
-        let out = match self.gpu("im2col", location)? {
-            Some(gpu) => {
-                let info = win.info();
-                let n = shape.numel();
-                self.gpu_node1(gpu, "im2col", location, shape, move |g, x, out| {
-                    g.dispatch(Kernel::Im2col, "0", &[x, out], &info, Grid::Elements(n))
-                })
-            }
-            None => self.map1("im2col", location, shape, move |x, out| {
-                nn_kernels::im2col(x, &win, out)
-            }),
-        };
-        let l = location;
-        Ok(out.taped("im2col", location, &[self], move |g, _| {
-            Ok(vec![Some(g.col2im_at(win, l)?)])
-        }))
+        let (info, n) = (win.info(), shape.numel());
+        let back = gpu.clone();
+        let out = self.gpu_node1(gpu, "im2col", location, shape, move |g, x, out| {
+            g.dispatch(Kernel::Im2col, "0", &[x, out], &info, Grid::Elements(n))
+        });
+        out.taped("im2col", location, &[self], move |g, _| {
+            Ok(vec![Some(g.col2im_at(back.clone(), win, location))])
+        })
     }
 
     /// The adjoint of im2col: sums each row entry back into its input position.
-    fn col2im_at(&self, win: Window, location: Location) -> Result<Tensor> {
+    fn col2im_at(&self, gpu: Arc<Gpu>, win: Window, location: Location) -> Tensor {
         let shape = Shape::from([win.n, win.c, win.h, win.w]);
-        Ok(match self.gpu("col2im", location)? {
-            Some(gpu) => {
-                let info = win.info();
-                let n = shape.numel();
-                self.gpu_node1(gpu, "col2im", location, shape, move |g, cols, x| {
-                    g.dispatch(Kernel::Im2col, "1", &[cols, x], &info, Grid::Elements(n))
-                })
-            }
-            None => self.map1("col2im", location, shape, move |cols, x| {
-                nn_kernels::col2im(cols, &win, x)
-            }),
+        let (info, n) = (win.info(), shape.numel());
+        self.gpu_node1(gpu, "col2im", location, shape, move |g, cols, x| {
+            g.dispatch(Kernel::Im2col, "1", &[cols, x], &info, Grid::Elements(n))
         })
     }
 

@@ -10,7 +10,7 @@ use crate::device::Device;
 use crate::error::{Location, Result};
 
 /// `Some(f())` when `need`, else `None`.
-fn when(need: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
+pub(super) fn when(need: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
     need.then(f).transpose()
 }
 
@@ -28,11 +28,6 @@ impl Tensor {
         let out = self.output(shape);
         out.fill_at(value, location);
         out
-    }
-
-    /// A tensor like this one (shape, device), every element `value`.
-    pub(crate) fn full_like(&self, value: f32) -> Tensor {
-        self.full_shaped(self.shape.clone(), value, Location::caller())
     }
 
     /// `1.0` where `self > 0`, `-1.0` where `self < 0`, else `0.0`.

@@ -1,4 +1,7 @@
-//! CPU kernels of 2-D convolution (as im2col plus a matmul) and 2-D pooling.
+//! The window geometry shared by convolution and pooling, the CPU's pooling
+//! kernels, and the batch-wide im2col / col2im: the GPU's lowering, kept on
+//! the CPU as the reference that `shaders/im2col.wgsl` and the CPU's
+//! per-image convolution (`conv_kernels.rs`) are tested against.
 //!
 //! Tensors are contiguous row-major `f32` in NCHW order; a [`Window`] holds the
 //! geometry (input size, kernel, stride, padding) shared by every function here.
@@ -82,6 +85,7 @@ impl Window {
         self.n * self.c * self.oh() * self.ow()
     }
 
+    #[cfg(test)]
     fn cols_len(&self) -> usize {
         self.n * self.oh() * self.ow() * self.c * self.kh * self.kw
     }
@@ -106,6 +110,7 @@ fn span(start: usize, k: usize, pad: usize, len: usize) -> (usize, usize, usize)
 /// is `x[b, ci, oy * sh + ky - ph, ox * sw + kx - pw]`, or 0 in the padding.
 /// Row `r` of `cols` seen as `[n * p, ckk]` times the weights `[o, ckk]`
 /// transposed is the convolution's output at position `r`, as `[n * p, o]`.
+#[cfg(test)]
 pub(crate) fn im2col(x: &[f32], win: &Window, cols: &mut [f32]) {
     debug_assert_eq!(x.len(), win.input_len());
     debug_assert_eq!(cols.len(), win.cols_len());
@@ -144,6 +149,7 @@ pub(crate) fn im2col(x: &[f32], win: &Window, cols: &mut [f32]) {
 /// position, the sum of the `cols` entries that `im2col` copies from it
 /// (entries of the padding are dropped). Contributions to one position are
 /// added in the order of their output positions (row-major).
+#[cfg(test)]
 pub(crate) fn col2im(cols: &[f32], win: &Window, x: &mut [f32]) {
     debug_assert_eq!(x.len(), win.input_len());
     debug_assert_eq!(cols.len(), win.cols_len());

@@ -287,8 +287,8 @@ impl TrainReport {
     }
 }
 
-/// Adds `parts` (scalar tensors on various devices) into `acc` on the host
-/// side's terms: each device keeps its own running sum.
+/// Adds `parts` (one scalar tensor per device) to the running sums in `acc`,
+/// each on its own device: recorded, nothing waits.
 fn accumulate(acc: &mut Vec<Option<Tensor>>, parts: Vec<Tensor>) -> Result<()> {
     if acc.len() < parts.len() {
         acc.resize(parts.len(), None);
