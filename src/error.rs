@@ -167,3 +167,49 @@ pub(crate) fn shapes_list(shapes: &[&[usize]]) -> String {
         .collect::<Vec<_>>()
         .join(" and ")
 }
+
+/// The op of one task running on a thread: its name and where it was recorded,
+/// with an identity for deadlock checks.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RunningOp {
+    /// Identifies the node (equal for the same node on every thread).
+    pub(crate) key: usize,
+    pub(crate) name: &'static str,
+    pub(crate) location: Location,
+}
+
+thread_local! {
+    /// The ops whose tasks run on this thread, innermost last: a blocker inside a
+    /// task runs other tasks while it waits, so several can be suspended on one
+    /// stack. Errors raised inside a task name the innermost (GPU buffers name
+    /// their writer), and deadlock checks look at all of them.
+    static RUNNING: std::cell::RefCell<Vec<RunningOp>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Marks `op` as running on this thread until the guard is dropped.
+pub(crate) struct Running(());
+
+impl Running {
+    #[inline]
+    pub(crate) fn enter(op: RunningOp) -> Running {
+        RUNNING.with(|r| r.borrow_mut().push(op));
+        Running(())
+    }
+}
+
+impl Drop for Running {
+    #[inline]
+    fn drop(&mut self) {
+        RUNNING.with(|r| r.borrow_mut().pop());
+    }
+}
+
+/// The name and record site of the innermost op running on this thread.
+pub(crate) fn current_op() -> Option<(&'static str, Location)> {
+    RUNNING.with(|r| r.borrow().last().map(|o| (o.name, o.location)))
+}
+
+/// Every op running or suspended on this thread, innermost last.
+pub(crate) fn running_ops() -> Vec<RunningOp> {
+    RUNNING.with(|r| r.borrow().clone())
+}

@@ -1,15 +1,13 @@
 //! Generic tasks: any CPU closure with declared reads and writes, recorded as a node.
 
 use crate::device::Device;
-use crate::engine::{Engine, Mode};
-use crate::error::{Error, Location, Result, SharedError};
-use crate::graph::{NodeId, NodeMeta};
-use crate::sched::Task;
-use crate::sync::Arc;
-use crate::var::{Read, Var, VarIds, Write};
+use crate::engine::{device_lane, Access, Engine, Mode, NodeRef, Tracked};
+use crate::error::{Location, Result};
+use crate::graph::NodeMeta;
+use crate::var::{Read, Var, Write};
 use smallvec::SmallVec;
 use std::fmt::Display;
-use std::sync::OnceLock;
+use std::sync::Arc;
 
 /// Records one task: declare what it reads and writes, then hand it the closure.
 ///
@@ -33,38 +31,17 @@ use std::sync::OnceLock;
 pub struct TaskBuilder<'e> {
     engine: &'e Engine,
     meta: NodeMeta,
-    reads: VarIds,
-    writes: SmallVec<[crate::graph::VarId; 2]>,
-    /// The handles of every Var named, until the task is recorded: dropping the
-    /// last handle of a Var queues its removal from the graph, which must come
-    /// after this record.
-    keep: SmallVec<[std::sync::Arc<dyn crate::var::KeepAlive>; 4]>,
+    /// The Vars named, each with whether it is read and written; the handles
+    /// stay alive until the task is recorded.
+    vars: SmallVec<[(Arc<dyn Tracked>, bool, bool); 4]>,
     mismatch: bool,
-}
-
-/// How a finished task ended, set once under the engine lock before the node
-/// leaves the graph (so a blocker that sees the node gone also sees this).
-pub(crate) struct TaskStatus {
-    /// The node, once it is in the graph (Lazy records wait in the inbox).
-    node: OnceLock<NodeId>,
-    done: OnceLock<Option<SharedError>>,
-}
-
-impl TaskStatus {
-    pub(crate) fn set_node(&self, node: NodeId) {
-        let _ = self.node.set(node);
-    }
-
-    pub(crate) fn finish(&self, err: Option<SharedError>) {
-        let _ = self.done.set(err);
-    }
 }
 
 /// A recorded task that can be waited on.
 #[derive(Clone)]
 pub struct TaskHandle {
     engine: Engine,
-    status: Arc<TaskStatus>,
+    node: NodeRef,
 }
 
 impl std::fmt::Debug for TaskHandle {
@@ -80,23 +57,18 @@ impl TaskHandle {
     /// returns its failure (or the failure that made it skip) if any.
     pub fn wait(&self) -> Result<()> {
         self.engine.counters().blocker(false);
-        let status = &self.status;
-        // The graph is locked with the inbox applied: the node id is set.
-        self.engine.shared().wait_for(|g| match status.node.get() {
-            Some(&node) if g.is_live(node) => SmallVec::from_slice(&[node]),
-            _ => SmallVec::new(),
-        })?;
-        match self.status.done.get() {
-            Some(None) => Ok(()),
-            Some(Some(err)) => Err((**err).clone()),
-            // Unreachable: the status is set before the node leaves the graph.
-            None => Err(Error::Config("task status missing after completion".into())),
+        self.engine
+            .shared()
+            .wait_for(std::iter::once(self.node.clone()).collect())?;
+        match self.node.error() {
+            None => Ok(()),
+            Some(err) => Err((*err).clone()),
         }
     }
 
     /// Whether the task has finished (ran, failed or was skipped).
     pub fn is_finished(&self) -> bool {
-        self.status.done.get().is_some()
+        self.node.is_done()
     }
 }
 
@@ -114,11 +86,9 @@ impl Engine {
             meta: NodeMeta {
                 name,
                 location,
-                device: Device::Cpu,
+                lane: device_lane(Device::Cpu),
             },
-            reads: SmallVec::new(),
-            writes: SmallVec::new(),
-            keep: SmallVec::new(),
+            vars: SmallVec::new(),
             mismatch: false,
         }
     }
@@ -127,34 +97,34 @@ impl Engine {
 impl<'e> TaskBuilder<'e> {
     /// Declares a read of `var` and returns the token to read it in the task.
     pub fn read<T: Send + Sync + 'static>(&mut self, var: &Var<T>) -> Read<T> {
-        self.check(var);
-        if !self.reads.contains(&var.id()) {
-            self.reads.push(var.id());
-            self.keep.push(var.keep_alive());
-        }
+        self.declare(var, true, false);
         var.read_token()
     }
 
     /// Declares a write of `var` and returns the token to write it in the task. A
     /// Var may be both read and written by one task (an in-place update).
     pub fn write<T: Send + Sync + 'static>(&mut self, var: &Var<T>) -> Write<T> {
-        self.check(var);
-        if !self.writes.contains(&var.id()) {
-            self.writes.push(var.id());
-            self.keep.push(var.keep_alive());
-        }
+        self.declare(var, false, true);
         var.write_token()
     }
 
     /// Sets the device the task runs on (default: [`Device::Cpu`]).
     pub fn device(&mut self, device: Device) -> &mut Self {
-        self.meta.device = device;
+        self.meta.lane = device_lane(device);
         self
     }
 
-    fn check<T>(&mut self, var: &Var<T>) {
+    fn declare<T: Send + Sync + 'static>(&mut self, var: &Var<T>, read: bool, write: bool) {
         if !var.engine().same(self.engine) {
             self.mismatch = true;
+        }
+        let key = var.queue().key();
+        match self.vars.iter_mut().find(|(v, _, _)| v.queue().key() == key) {
+            Some((_, r, w)) => {
+                *r |= read;
+                *w |= write;
+            }
+            None => self.vars.push((var.tracked(), read, write)),
         }
     }
 
@@ -174,33 +144,23 @@ impl<'e> TaskBuilder<'e> {
         f: impl FnOnce() -> std::result::Result<(), E> + Send + 'static,
     ) -> Result<TaskHandle> {
         let engine = self.engine.uncounted();
-        let status = Arc::new(TaskStatus {
-            node: OnceLock::new(),
-            done: OnceLock::new(),
-        });
-        self.record(
-            Box::new(move || f().map_err(|e| e.to_string())),
-            Some(status.clone()),
-        )?;
-        let handle = TaskHandle { engine, status };
-        if handle.engine.mode() == Mode::Sync {
-            if let Some(Some(err)) = handle.status.done.get() {
-                return Err((**err).clone());
+        let node = self.record(Box::new(move || f().map_err(|e| e.to_string())))?;
+        if engine.mode() == Mode::Sync {
+            if let Some(err) = node.error() {
+                return Err((*err).clone());
             }
         }
-        Ok(handle)
+        Ok(TaskHandle { engine, node })
     }
 
     /// Records the task without a handle (the cheapest way; failures surface at the
     /// blockers of the Vars it writes).
     pub fn push(self, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        self.record(
-            Box::new(move || {
-                f();
-                Ok(())
-            }),
-            None,
-        )
+        self.record(Box::new(move || {
+            f();
+            Ok(())
+        }))
+        .map(drop)
     }
 
     /// Like [`TaskBuilder::push`] for a closure that can fail with a message.
@@ -208,33 +168,26 @@ impl<'e> TaskBuilder<'e> {
         self,
         f: impl FnOnce() -> std::result::Result<(), String> + Send + 'static,
     ) -> Result<()> {
-        self.record(Box::new(f), None)
+        self.record(Box::new(f)).map(drop)
     }
 
     #[inline]
-    fn record(
-        self,
-        run: Box<dyn FnOnce() -> std::result::Result<(), String> + Send>,
-        status: Option<Arc<TaskStatus>>,
-    ) -> Result<()> {
+    fn record(self, job: crate::engine::Job) -> Result<NodeRef> {
         if self.mismatch {
-            return Err(Error::EngineMismatch {
+            return Err(crate::error::Error::EngineMismatch {
                 op: self.meta.name,
                 location: self.meta.location,
             });
         }
-        let keep = self.keep;
-        let task = Task {
-            run,
-            status,
-            op: (self.meta.name, self.meta.location),
-        };
-        let recorded = self
-            .engine
-            .shared()
-            .record(self.meta, self.reads, self.writes, task);
-        // Only now may a Var named here be forgotten.
-        drop(keep);
-        recorded
+        let mut accesses: SmallVec<[Access<'_>; 4]> = self
+            .vars
+            .iter()
+            .map(|(v, read, write)| Access {
+                var: v.queue(),
+                read: *read,
+                write: *write,
+            })
+            .collect();
+        self.engine.shared().record(self.meta, &mut accesses, job)
     }
 }

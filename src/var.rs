@@ -6,13 +6,11 @@
 //! the one the dependency graph allows, so the lock inside is never contended by
 //! correctly recorded tasks (it is there so that a mistake is a wait, not a race).
 
-use crate::engine::{Counters, Engine};
+use crate::engine::{Counters, Engine, Tracked, VarQueue};
 use crate::error::{Result, SharedError};
-use crate::graph::VarId;
-use crate::sync::{lock, Ordering};
+use crate::sync::Ordering;
 // std, not `crate::sync`: handles are type-erased (`Arc<dyn KeepAlive>`), which
 // loom's Arc cannot do; the loom models do not involve Vars.
-use smallvec::SmallVec;
 use std::sync::Arc;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -45,21 +43,27 @@ impl<T> Clone for Var<T> {
     }
 }
 
-/// Keeps a Var handle alive without knowing its type (see `TaskBuilder`).
-pub(crate) trait KeepAlive: Send + Sync {}
-impl<T: Send + Sync> KeepAlive for VarHandle<T> {}
-
 struct VarHandle<T> {
-    id: VarId,
+    /// The Var's access queue in the dependency graph.
+    queue: VarQueue,
     engine: Engine,
     storage: Arc<Storage<T>>,
     /// Writes recorded so far (see [`Var::version`]).
     version: std::sync::atomic::AtomicU64,
 }
 
+impl<T: Send + Sync> Tracked for VarHandle<T> {
+    fn queue(&self) -> &VarQueue {
+        &self.queue
+    }
+}
+
 impl<T> Drop for VarHandle<T> {
     fn drop(&mut self) {
-        self.engine.shared().drop_var(self.id);
+        self.engine
+            .counters()
+            .tracked_vars
+            .fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -271,8 +275,7 @@ impl<T> Write<T> {
 impl Engine {
     /// Puts `value` under this engine's management.
     pub fn var<T: Send + Sync + 'static>(&self, value: T) -> Var<T> {
-        let id = self.shared().new_var();
-        self.var_with_id(id, value)
+        self.var_with_queue(VarQueue::new(None), value)
     }
 
     pub(crate) fn poisoned_var<T: Send + Sync + 'static>(
@@ -280,14 +283,16 @@ impl Engine {
         value: T,
         err: SharedError,
     ) -> Var<T> {
-        let id = self.shared().new_poisoned_var(err);
-        self.var_with_id(id, value)
+        self.var_with_queue(VarQueue::new(Some(err)), value)
     }
 
-    fn var_with_id<T>(&self, id: VarId, value: T) -> Var<T> {
+    fn var_with_queue<T>(&self, queue: VarQueue, value: T) -> Var<T> {
+        self.counters()
+            .tracked_vars
+            .fetch_add(1, Ordering::Relaxed);
         Var {
             inner: Arc::new(VarHandle {
-                id,
+                queue,
                 engine: self.uncounted(),
                 storage: Arc::new(Storage::new(value, self.counters().clone())),
                 version: std::sync::atomic::AtomicU64::new(0),
@@ -297,9 +302,10 @@ impl Engine {
 }
 
 impl<T> Var<T> {
+    /// The Var's access queue in the dependency graph.
     #[inline]
-    pub(crate) fn id(&self) -> VarId {
-        self.inner.id
+    pub(crate) fn queue(&self) -> &VarQueue {
+        &self.inner.queue
     }
 
     /// The engine that manages this Var.
@@ -307,9 +313,9 @@ impl<T> Var<T> {
         &self.inner.engine
     }
 
-    /// The handle, type-erased: held by a task builder so that the Var cannot be
-    /// forgotten by the graph before the task that names it is recorded.
-    pub(crate) fn keep_alive(&self) -> Arc<dyn KeepAlive>
+    /// The handle, type-erased: held by a task builder until the task is
+    /// recorded (the builder names the Var's queue).
+    pub(crate) fn tracked(&self) -> Arc<dyn Tracked>
     where
         T: Send + Sync + 'static,
     {
@@ -358,10 +364,12 @@ impl<T> Var<T> {
     }
 
     fn settle_read(&self) -> Result<()> {
-        let id = self.id();
-        let shared = self.engine().shared();
-        shared.wait_for(|g| g.writer_of(id).into_iter().collect())?;
-        match lock(&shared.state).graph.poison_of(id) {
+        if let Some(writer) = self.queue().writer() {
+            self.engine()
+                .shared()
+                .wait_for(std::iter::once(writer).collect())?;
+        }
+        match self.queue().poison() {
             Some(err) => Err((*err).clone()),
             None => Ok(()),
         }
@@ -371,8 +379,8 @@ impl<T> Var<T> {
     /// access to this value (reads included) has finished.
     pub fn wait_to_write(&self) -> Result<()> {
         self.engine().counters().blocker(false);
-        let id = self.id();
-        self.engine().shared().wait_for(|g| g.accessors_of(id))
+        let accessors = self.queue().accessors();
+        self.engine().shared().wait_for(accessors)
     }
 
     /// Implicit blocker: waits for the value like [`Var::wait_to_read`] and calls
@@ -394,10 +402,13 @@ impl<T> Var<T> {
     /// assert!(matches!(r, Ok(Err(Error::WouldDeadlock { .. }))));
     /// assert_eq!(x.get().unwrap(), 2);
     /// ```
-    pub fn with<R>(&self, f: impl FnOnce(&T) -> R) -> Result<R> {
+    pub fn with<R>(&self, f: impl FnOnce(&T) -> R) -> Result<R>
+    where
+        T: Send + Sync + 'static,
+    {
         self.engine().counters().blocker(true);
         self.settle_read()?;
-        let _borrow = crate::sched::Borrow::new(self.engine().shared().id, self.id());
+        let _borrow = crate::engine::Borrow::new(self.engine().shared().id, self.inner.clone());
         Ok(f(&self.inner.storage.read()))
     }
 
@@ -411,7 +422,7 @@ impl<T> Var<T> {
     /// Implicit blocker: waits for the value and returns a copy of it.
     pub fn get(&self) -> Result<T>
     where
-        T: Clone,
+        T: Clone + Send + Sync + 'static,
     {
         self.with(T::clone)
     }
@@ -432,9 +443,8 @@ impl<T> Var<T> {
 impl<T: std::fmt::Debug> std::fmt::Debug for Var<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Var")
-            .field("id", &self.id())
+            .field("id", &self.queue().key())
             .finish_non_exhaustive()
     }
 }
 
-pub(crate) type VarIds = SmallVec<[VarId; 4]>;

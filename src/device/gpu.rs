@@ -279,7 +279,7 @@ impl GpuBuffer {
     /// Records that the op running on this thread wrote this buffer under
     /// `fates`.
     pub(crate) fn stamp(&self, fates: Lineage) {
-        let (op, location) = crate::sched::current_op().unwrap_or(("<gpu>", Location::caller()));
+        let (op, location) = crate::error::current_op().unwrap_or(("<gpu>", Location::caller()));
         *lock(&self.stamp) = Some(Stamp {
             op,
             location,
@@ -360,7 +360,7 @@ pub(crate) struct Writers {
 impl Writers {
     /// Notes the op running on this thread.
     pub(crate) fn note(&mut self) {
-        let Some(op) = crate::sched::current_op() else {
+        let Some(op) = crate::error::current_op() else {
             return;
         };
         if self.first.iter().any(|w| w.0 == op.0 && w.1 == op.1) {

@@ -1,33 +1,53 @@
-//! The engine: owns the live graph (behind its one lock), the worker pool and the
-//! counters; records nodes, flushes the subgraphs that blockers need, and applies
-//! backpressure.
+//! The engine: the glue between the graph (`graph/`), the worker pool (`sched/`)
+//! and the devices. It records nodes, runs and completes them, flushes the
+//! subgraphs that blockers need, and applies backpressure. There is no engine
+//! lock: see `ARCHITECTURE.md` for the path of one op through these files.
 //!
 //! State is grouped by who touches it:
-//! - `state` — behind the one lock: the graph, and who is waiting for what.
-//! - `injector`, `stealers`, `sleep` — reachable from every worker, lock-free.
-//! - `config`, `id` — shared read-only.
-//! - `counters` — relaxed atomics, read only for statistics.
+//! - shared read-only: `id`, `config`, `me`;
+//! - reachable from every thread, lock-free: `pool`, `live`, `global_demand`,
+//!   `retiring`, `handles`, `counters`;
+//! - small locks on cold or sharded paths: `undemanded` (one shard per
+//!   recording thread), `drained` (threads waiting for the graph to drain),
+//!   `waits` (blockers inside tasks), `life` (retiring and reviving).
 
 mod builder;
-mod inbox;
+mod deadlock;
+mod life;
+mod registry;
 mod stats;
 
 pub use builder::{
     EngineBuilder, Mode, DEFAULT_GPU_TIMEOUT, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK,
 };
 pub use stats::Stats;
-pub(crate) use stats::{Counters, Tally};
+pub(crate) use deadlock::Borrow;
+pub(crate) use stats::Counters;
 
 use crate::device::{gpu::Gpu, Device, GpuInfo};
-use crate::error::{Error, Location, Result};
-use crate::graph::{Graph, NodeId, NodeMeta, Outcome, VarId};
-use crate::sched::{self, sleep::Sleep, Task, Work};
-use crate::sync::{lock, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
-use crossbeam_deque::{Injector, Stealer};
-use inbox::{Entry, Inbox, VAR_CHUNK};
+use crate::error::{Error, Location, Result, Running, RunningOp};
+use crate::graph::{self, Latch, NodeMeta, Outcome};
+use crate::sched::{Host, Pool};
+use crate::sync::{lock, AtomicBool, AtomicUsize, Condvar, Mutex, Ordering};
+use registry::Registry;
 use smallvec::SmallVec;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 use std::time::Duration;
+
+/// What a node does when it runs: `Err` fails it with the message.
+pub(crate) type Job = Box<dyn FnOnce() -> std::result::Result<(), String> + Send>;
+/// A node of this engine's graph.
+pub(crate) type NodeRef = graph::NodeRef<Job>;
+/// The access queue of one Var.
+pub(crate) type VarQueue = graph::VarQueue<Job>;
+/// One Var named by a node being recorded.
+pub(crate) type Access<'a> = graph::Access<'a, Job>;
+
+/// A Var handle, type-erased: what the engine needs of a Var.
+pub(crate) trait Tracked: Send + Sync {
+    fn queue(&self) -> &VarQueue;
+}
 
 /// A handle to an engine: cheap to clone, `Send + Sync`.
 ///
@@ -104,74 +124,80 @@ pub(crate) struct Config {
     pub(crate) gpu_timeout: Duration,
 }
 
-/// What the lock protects.
-pub(crate) struct Locked {
-    pub(crate) graph: Graph<Task>,
-    /// Threads inside `wait_all`.
-    all_waiters: usize,
-    /// Frontend threads stalled by backpressure.
-    bp_waiters: usize,
-    /// The backpressure waiters were woken since one of them last went to sleep
-    /// (one notification per wait, not one per completion below the low mark).
-    bp_signalled: bool,
-    /// Threads in `wait_all` or stalled by backpressure in Lazy mode. While there
-    /// are any, every node entering the graph is demanded at once: those waits
-    /// end only when the graph drains, so nothing may sit there undemanded.
-    global_demand: usize,
-    peak_live: usize,
-    /// The last `Engine` handle is gone: everything recorded is demanded at once
-    /// (`global_demand` holds one count for it) and the workers exit when the
-    /// graph and the inbox are empty. Cleared when a handle is made again.
-    retiring: bool,
-    /// Worker threads running (they exit only while `retiring`).
-    alive: usize,
-    /// The deques of workers that exited, for the ones started again (their
-    /// stealers stay in `Shared::stealers`).
-    idle_deques: Vec<crossbeam_deque::Worker<Work>>,
-    /// The worker threads started (joined by a retiring drop on a plain thread).
-    threads: Vec<std::thread::JoinHandle<()>>,
-    /// Blockers inside tasks, for cross-thread deadlock checks: the nodes running
-    /// or suspended on each waiting thread, and what that thread waits for.
-    pub(crate) waits: Vec<WaitEntry>,
-    next_wait: u64,
-    /// Counted under the lock that is held anyway (no extra shared cache lines
-    /// on the hot paths).
-    pub(crate) tally: Tally,
-}
-
 /// Everything the workers and the handles share.
 pub(crate) struct Shared {
+    // Shared read-only.
     pub(crate) id: u64,
     pub(crate) config: Config,
-    pub(crate) state: Mutex<Locked>,
-    /// Signalled when a waited-for node completes, when the graph empties under
-    /// `wait_all`, and when it drains to the low mark under backpressure.
-    changed: Condvar,
-    pub(crate) injector: Injector<Work>,
-    pub(crate) stealers: Vec<Stealer<Work>>,
-    pub(crate) sleep: Sleep,
-    /// Set (Release) when the engine is retiring and its graph and inbox are
-    /// empty, Acquire in the worker loop: workers may then exit. Written under
-    /// the state lock.
-    pub(crate) shutdown: AtomicBool,
-    /// `Locked::retiring`, readable without the lock by the Lazy record path
-    /// (SeqCst with the inbox lock; see [`Shared::record`]).
-    retiring: AtomicBool,
-    /// `Engine` handles that count (see [`Engine`]).
-    handles: std::sync::atomic::AtomicUsize,
+    /// A stalled frontend resumes at this many live nodes (below the high mark
+    /// even when the marks are equal).
+    resume_at: usize,
     /// This engine itself, to start workers again after they exited.
     me: std::sync::Weak<Shared>,
+
+    // Reachable from every thread, lock-free.
+    pool: Pool<NodeRef>,
+    /// Recorded, unfinished nodes. SeqCst: pairs with `drained.waiters` (a
+    /// completion that brings it down reads the waiters; a waiter that announced
+    /// itself reads it) and with `retiring` (see `life.rs`).
+    live: AtomicUsize,
+    /// Highest `live` seen (a statistic; Relaxed).
+    peak_live: AtomicUsize,
+    /// Threads in `wait_all` or stalled by backpressure in Lazy mode, plus one
+    /// while retiring. While there are any, every node recorded is demanded at
+    /// once: those waits end only when the graph drains. SeqCst with the
+    /// registry push in `record` (see `demand_all`).
+    global_demand: AtomicUsize,
+    /// The last `Engine` handle is gone (see `life.rs`).
+    retiring: AtomicBool,
+    /// `Engine` handles that count (see [`Engine`]).
+    handles: AtomicUsize,
     pub(crate) counters: std::sync::Arc<Counters>,
-    /// Lazy-mode records and Var drops not yet applied to the graph; see
-    /// `inbox.rs`. Lock order: `state`, then `inbox`.
-    inbox: Mutex<Inbox>,
-    /// Entries in the inbox (a hint, Relaxed: exact values are read under the
-    /// inbox lock).
-    inbox_len: std::sync::atomic::AtomicUsize,
-    /// Entries per inbox batch.
-    batch: usize,
+
+    // Small locks on cold or sharded paths.
+    /// Lazy-mode nodes not known to be finished, for `wait_all`, backpressure
+    /// and DOT export (sharded by recording thread).
+    undemanded: Registry,
+    /// Threads waiting for `live` to drop (`wait_all`, backpressure, a retiring
+    /// drop).
+    drained: Drained,
+    /// Blockers inside tasks, for cross-thread deadlock checks.
+    waits: Mutex<deadlock::Waits>,
+    /// Serializes retiring and reviving.
+    life: Mutex<()>,
     /// GPU devices, opened on first use (opening one takes tens of milliseconds).
     gpus: OnceLock<Vec<std::sync::Arc<Gpu>>>,
+}
+
+/// Where threads wait for the number of live nodes to drop.
+struct Drained {
+    lock: Mutex<()>,
+    cv: Condvar,
+    /// Threads waiting. SeqCst: a waiter increments it and then reads `live`; a
+    /// completion decrements `live` and then reads it. At least one sees the
+    /// other; the waiter holds `lock` from its check to its wait, and the
+    /// completion takes `lock` to notify, so no wake-up falls in between.
+    waiters: AtomicUsize,
+}
+
+impl Drained {
+    fn wait_until(&self, done: impl Fn() -> bool) {
+        let mut g = lock(&self.lock);
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        while !done() {
+            g = match self.cv.wait(g) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+        }
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    #[cold]
+    fn notify(&self) {
+        let _g = lock(&self.lock);
+        self.cv.notify_all();
+    }
 }
 
 static NEXT_ENGINE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -200,55 +226,35 @@ impl Engine {
     }
 
     pub(crate) fn start(config: Config) -> Result<Engine> {
-        let (config_high, config_low) = (config.high, config.low);
-        let locals: Vec<_> = (0..config.workers)
-            .map(|_| crossbeam_deque::Worker::new_lifo())
-            .collect();
-        let stealers = locals.iter().map(|l| l.stealer()).collect();
         let shared = std::sync::Arc::new_cyclic(|me| Shared {
             id: NEXT_ENGINE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            stealers,
+            resume_at: config.low.min(config.high - 1),
+            pool: Pool::new(config.workers),
             config,
-            state: Mutex::new(Locked {
-                graph: Graph::default(),
-                all_waiters: 0,
-                bp_waiters: 0,
-                bp_signalled: false,
-                global_demand: 0,
-                peak_live: 0,
-                retiring: false,
-                alive: 0,
-                idle_deques: locals,
-                threads: Vec::new(),
-                waits: Vec::new(),
-                next_wait: 0,
-                tally: Tally::default(),
-            }),
-            changed: Condvar::new(),
-            injector: Injector::new(),
-            sleep: Sleep::new(),
-            shutdown: AtomicBool::new(false),
-            retiring: AtomicBool::new(false),
-            handles: std::sync::atomic::AtomicUsize::new(1),
             me: me.clone(),
+            live: AtomicUsize::new(0),
+            peak_live: AtomicUsize::new(0),
+            global_demand: AtomicUsize::new(0),
+            retiring: AtomicBool::new(false),
+            handles: AtomicUsize::new(1),
             counters: std::sync::Arc::new(Counters::default()),
-            inbox: Mutex::new(Inbox::new()),
-            inbox_len: std::sync::atomic::AtomicUsize::new(0),
-            batch: Inbox::batch(config_high, config_low),
+            undemanded: Registry::default(),
+            drained: Drained {
+                lock: Mutex::new(()),
+                cv: Condvar::new(),
+                waiters: AtomicUsize::new(0),
+            },
+            waits: Mutex::new(deadlock::Waits::default()),
+            life: Mutex::new(()),
             gpus: OnceLock::new(),
         });
-        let engine = Engine {
-            shared,
-            counted: true,
-        };
-        let mut st = lock(&engine.shared.state);
-        engine.shared.start_workers(&mut st);
-        if st.alive == 0 {
-            drop(st);
+        if shared.pool.start(&shared, "lazyflow-worker") == 0 {
             return Err(Error::Config("could not start any worker thread".into()));
         }
-        drop(st);
-        Ok(engine)
+        Ok(Engine {
+            shared,
+            counted: true,
+        })
     }
 
     /// A handle that does not count toward the engine's life (held by Vars,
@@ -382,26 +388,23 @@ impl Engine {
     /// A snapshot of the engine's counters.
     pub fn stats(&self) -> Stats {
         let shared = self.shared();
-        let st = shared.lock_applied();
-        // Ids reserved for future Vars are not Vars yet.
-        let reserved = lock(&shared.inbox).free_vars.len();
         shared.counters.snapshot(
-            &st.tally,
-            st.graph.live_nodes(),
-            st.peak_live,
-            st.graph.tracked_vars() - reserved,
+            shared.live.load(Ordering::SeqCst),
+            shared.peak_live.load(Ordering::Relaxed),
         )
     }
 
     /// Resets the peak of live nodes reported by [`Engine::stats`] to the current
     /// count.
     pub fn reset_peak(&self) {
-        let mut st = self.shared().lock_applied();
-        st.peak_live = st.graph.live_nodes();
+        let s = self.shared();
+        s.peak_live
+            .store(s.live.load(Ordering::SeqCst), Ordering::Relaxed);
     }
 
-    /// The live graph (recorded, unfinished nodes) in Graphviz DOT. Demanded nodes
-    /// are bold.
+    /// The nodes recorded in Lazy mode and not finished, with everything they
+    /// wait for, in Graphviz DOT. Demanded nodes are bold. (In Async and Sync
+    /// modes every node is demanded at once and none is listed.)
     ///
     /// ```
     /// use lazyflow::{Engine, Mode};
@@ -413,7 +416,8 @@ impl Engine {
     /// assert!(engine.to_dot().contains("bump"));
     /// ```
     pub fn to_dot(&self) -> String {
-        self.shared().lock_applied().graph.analysis().to_dot()
+        let nodes = self.shared().undemanded.snapshot();
+        graph::to_dot(&nodes, |lane| lane_device(lane).to_string())
     }
 }
 
@@ -427,260 +431,83 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+/// The graph's lane of a node that runs on `device`.
+pub(crate) fn device_lane(device: Device) -> u32 {
+    match device {
+        Device::Cpu => 0,
+        Device::Gpu(i) => i as u32 + 1,
+    }
+}
+
+fn lane_device(lane: u32) -> Device {
+    match lane {
+        0 => Device::Cpu,
+        i => Device::Gpu(i as usize - 1),
+    }
+}
+
+impl Host for Shared {
+    type Job = NodeRef;
+
+    fn pool(&self) -> &Pool<NodeRef> {
+        &self.pool
+    }
+
+    /// Runs a node and completes it; returns the first dependent it released.
+    #[inline]
+    fn run(&self, node: NodeRef) -> Option<NodeRef> {
+        let outcome = execute(&node);
+        self.complete(&node, outcome)
+    }
+
+    fn may_exit(&self) -> bool {
+        self.retiring.load(Ordering::SeqCst) && self.live.load(Ordering::SeqCst) == 0
+    }
+}
+
+/// Runs a node's job on this thread (or skips it when an input is poisoned),
+/// catching panics.
+fn execute(node: &NodeRef) -> Outcome {
+    let Some((job, skip)) = node.take_job() else {
+        // Unreachable: a node is handed out once.
+        return Outcome::Failed("the node's job was taken twice".into());
+    };
+    if let Some(err) = skip {
+        // The closure's captures are dropped without running it; a panicking
+        // Drop must not take the worker down with it.
+        let _ = catch_unwind(AssertUnwindSafe(move || drop(job)));
+        return Outcome::Skipped(err);
+    }
+    let running = Running::enter(RunningOp {
+        key: node.key(),
+        name: node.meta.name,
+        location: node.meta.location,
+    });
+    let result = catch_unwind(AssertUnwindSafe(job));
+    drop(running);
+    match result {
+        Ok(Ok(())) => Outcome::Done,
+        Ok(Err(message)) => Outcome::Failed(message),
+        Err(payload) => {
+            let message = panic_message(payload.as_ref());
+            // Dropping a panic payload can itself panic; never let that escape.
+            let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
+            Outcome::Failed(message)
+        }
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        format!("panicked: {s}")
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        format!("panicked: {s}")
+    } else {
+        "panicked".to_string()
+    }
+}
+
 impl Shared {
-    /// A counted handle is made (see [`Engine`]'s `Clone`). The first one after
-    /// the engine began retiring cancels that.
-    fn acquire_handle(&self) {
-        if self.handles.fetch_add(1, Ordering::AcqRel) == 0 {
-            self.revive();
-        }
-    }
-
-    #[cold]
-    fn revive(&self) {
-        let mut st = lock(&self.state);
-        // A release that raced with this acquire may not have retired yet; it
-        // re-checks the count under the lock and then does nothing.
-        if !st.retiring || self.handles.load(Ordering::Acquire) == 0 {
-            return;
-        }
-        st.retiring = false;
-        self.retiring.store(false, Ordering::SeqCst);
-        st.global_demand -= 1;
-        self.shutdown.store(false, Ordering::Release);
-        self.start_workers(&mut st);
-    }
-
-    /// A counted handle is dropped; the last one retires the engine.
-    fn release_handle(&self) {
-        if self.handles.fetch_sub(1, Ordering::AcqRel) != 1 {
-            return;
-        }
-        self.retire();
-    }
-
-    /// The last `Engine` handle is gone: demand everything recorded (and, through
-    /// `global_demand`, everything recorded from now on), let the workers exit
-    /// once it has run, and wait for it on a plain thread. Never blocks a worker
-    /// thread of any engine.
-    #[cold]
-    fn retire(&self) {
-        let mut st = lock(&self.state);
-        if st.retiring || self.handles.load(Ordering::Acquire) != 0 {
-            return;
-        }
-        st.retiring = true;
-        self.retiring.store(true, Ordering::SeqCst);
-        st.global_demand += 1;
-        self.apply_inbox(&mut st);
-        self.demand_all(&mut st);
-        self.check_drained(&mut st);
-        drop(st);
-        if !sched::on_any_worker() {
-            let _ = self.wait_all();
-            self.join_retired_workers();
-        }
-    }
-
-    /// On a plain thread after the last handle's barrier: waits (a little) for
-    /// the workers to exit and joins them, so that they are gone when the drop
-    /// returns. Gives up without joining if the engine is revived meanwhile or
-    /// a worker is still busy (work recorded after the barrier).
-    fn join_retired_workers(&self) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(2);
-        let mut st = lock(&self.state);
-        while st.retiring && st.alive > 0 {
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                return;
-            }
-            st = match self.changed.wait_timeout(st, deadline - now) {
-                Ok((g, _)) => g,
-                Err(p) => p.into_inner().0,
-            };
-        }
-        if !st.retiring {
-            return;
-        }
-        // Every worker started so far has counted itself out: their threads
-        // are ending.
-        let threads = std::mem::take(&mut st.threads);
-        drop(st);
-        for t in threads {
-            let _ = t.join();
-        }
-    }
-
-    /// Demands every node in the graph and hands out the ready ones.
-    fn demand_all(&self, st: &mut Locked) {
-        let mut pushed = 0;
-        st.graph.demand_all(&mut |r| {
-            sched::publish(self, r);
-            pushed += 1;
-        });
-        st.tally.flushes += 1;
-        self.sleep.wake(pushed);
-    }
-
-    /// While retiring, lets the workers exit once nothing is left to run.
-    fn check_drained(&self, st: &mut Locked) {
-        if !st.retiring {
-            return;
-        }
-        // Vars dropped meanwhile wait in the inbox; records there are demanded
-        // when applied.
-        self.apply_inbox(st);
-        if st.graph.live_nodes() == 0 {
-            self.shutdown.store(true, Ordering::Release);
-            self.sleep.wake_all();
-        }
-    }
-
-    /// Work entered the graph: while retiring, the workers must stay (or come
-    /// back).
-    fn keep_workers(&self, st: &mut Locked) {
-        if st.retiring {
-            self.shutdown.store(false, Ordering::Release);
-            self.start_workers(st);
-        }
-    }
-
-    /// Starts workers until the configured number runs.
-    fn start_workers(&self, st: &mut Locked) {
-        let Some(me) = self.me.upgrade() else {
-            return;
-        };
-        while st.alive < self.config.workers {
-            let Some(local) = st.idle_deques.pop() else {
-                return;
-            };
-            let shared = me.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("lazyflow-worker-{}", st.alive))
-                .spawn(move || sched::worker_main(shared, local));
-            match spawned {
-                Ok(handle) => {
-                    st.alive += 1;
-                    st.threads.push(handle);
-                }
-                Err(e) => {
-                    eprintln!("lazyflow: could not start a worker thread: {e}");
-                    return;
-                }
-            }
-        }
-    }
-
-    /// Called by a worker that found no work after `shutdown` was set: whether it
-    /// may exit (then its deque is kept for a later start).
-    pub(crate) fn retire_worker(&self, local: &mut Option<crossbeam_deque::Worker<Work>>) -> bool {
-        let mut st = lock(&self.state);
-        if !st.retiring {
-            return false;
-        }
-        self.apply_inbox(&mut st);
-        if st.graph.live_nodes() != 0 || self.has_queued_work() {
-            return false;
-        }
-        if let Some(l) = local.take() {
-            st.idle_deques.push(l);
-        }
-        st.alive -= 1;
-        if st.alive == 0 {
-            self.changed.notify_all();
-        }
-        true
-    }
-
-    /// Records one node. In Lazy mode it goes to the inbox (applied to the graph
-    /// in batches); in Async and Sync modes it enters the graph and is demanded at
-    /// once, and Sync also waits for it. Stalls at the backpressure high mark
-    /// (frontend threads only).
-    pub(crate) fn record(
-        &self,
-        meta: NodeMeta,
-        reads: SmallVec<[VarId; 4]>,
-        writes: SmallVec<[VarId; 2]>,
-        task: Task,
-    ) -> Result<()> {
-        // Records from inside a task go straight to the graph: a worker never
-        // waits on backpressure, so it must not leave work in the inbox for a
-        // stalled frontend to find.
-        if self.config.mode == Mode::Lazy && !sched::on_worker_of(self.id) {
-            let full = {
-                let mut inbox = lock(&self.inbox);
-                inbox.entries.push(Entry::Record {
-                    meta,
-                    reads,
-                    writes,
-                    task,
-                });
-                let n = inbox.entries.len();
-                self.inbox_len
-                    .store(n, std::sync::atomic::Ordering::Relaxed);
-                n >= self.batch
-            };
-            // SeqCst, after the push under the inbox lock: if the engine began
-            // retiring before this push, `retire` applied the inbox before it and
-            // we see the flag here, so the entry is committed (and demanded) now
-            // rather than left for workers that may have exited.
-            if full || self.retiring.load(Ordering::SeqCst) {
-                self.commit_batch();
-            }
-            return Ok(());
-        }
-        let mut pushed = 0;
-        let on_worker = sched::on_worker_of(self.id);
-        let mut st = lock(&self.state);
-        if st.graph.live_nodes() >= self.config.high && !on_worker {
-            st = self.backpressure(st);
-        }
-        // Keep program order with what this thread queued (other threads' entries
-        // are unordered with this record anyway; the hint is exact for our own).
-        if self.inbox_len.load(std::sync::atomic::Ordering::Relaxed) > 0 {
-            self.apply_inbox(&mut st);
-        }
-        let status = task.status.clone();
-        let id = st.graph.record(meta, &reads, &writes, task);
-        if let Some(s) = &status {
-            s.set_node(id);
-        }
-        st.tally.recorded += 1;
-        let live = st.graph.live_nodes();
-        if live > st.peak_live {
-            st.peak_live = live;
-        }
-        if self.config.mode != Mode::Lazy || st.global_demand > 0 {
-            st.graph.demand(&[id], &mut |r| {
-                sched::publish(self, r);
-                pushed += 1;
-            });
-        }
-        self.keep_workers(&mut st);
-        drop(st);
-        self.sleep.wake(pushed);
-        if self.config.mode == Mode::Sync {
-            // The node's own failure is reported by the caller through the values
-            // it wrote or its task handle; a wait that cannot happen (a record
-            // inside a task that depends on that task) is this call's error.
-            self.wait_for(|_| SmallVec::from_slice(&[id]))?;
-        }
-        Ok(())
-    }
-
-    /// Applies a full inbox, first stalling at the high mark if the frontend is
-    /// that far ahead.
-    #[cold]
-    fn commit_batch(&self) {
-        let mut st = lock(&self.state);
-        let queued = self.inbox_len.load(std::sync::atomic::Ordering::Relaxed);
-        if st.graph.live_nodes() + queued > self.config.high && !sched::on_worker_of(self.id) {
-            st = self.backpressure(st);
-        }
-        self.apply_inbox(&mut st);
-        self.keep_workers(&mut st);
-    }
-
     fn gpus(&self) -> &[std::sync::Arc<Gpu>] {
         self.gpus.get_or_init(|| {
             crate::device::gpu::discover(
@@ -697,415 +524,242 @@ impl Shared {
         self.gpus.get().map_or(&[], |g| g.as_slice())
     }
 
-    /// Locks the graph with every deferred record and drop applied.
-    pub(crate) fn lock_applied(&self) -> MutexGuard<'_, Locked> {
-        let mut st = lock(&self.state);
-        self.apply_inbox(&mut st);
-        st
+    /// Whether the calling thread is one of this engine's workers.
+    #[inline]
+    pub(crate) fn on_worker(&self) -> bool {
+        self.pool.is_worker()
     }
 
-    /// Moves the inbox into the graph, in order. Called with the graph lock held.
-    fn apply_inbox(&self, st: &mut Locked) {
-        let entries = {
-            let mut inbox = lock(&self.inbox);
-            if inbox.entries.is_empty() {
-                return;
+    /// Records one node. In Async and Sync modes it is demanded at once (and
+    /// Sync waits for it); in Lazy mode it waits for a demand. Stalls at the
+    /// backpressure high mark (frontend threads only: a worker never waits
+    /// there). Returns the node (task handles wait on it).
+    pub(crate) fn record(
+        &self,
+        meta: NodeMeta,
+        accesses: &mut SmallVec<[Access<'_>; 4]>,
+        job: Job,
+    ) -> Result<NodeRef> {
+        let mode = self.config.mode;
+        if self.live.load(Ordering::Relaxed) >= self.config.high && !self.on_worker() {
+            self.backpressure();
+        }
+        let live = self.live.fetch_add(1, Ordering::SeqCst) + 1;
+        if live > self.peak_live.load(Ordering::Relaxed) {
+            self.peak_live.fetch_max(live, Ordering::Relaxed);
+        }
+        self.counters.recorded.fetch_add(1, Ordering::Relaxed);
+        let lazy = mode == Mode::Lazy;
+        let (node, ready) = graph::record(meta, accesses, job, !lazy);
+        if ready {
+            self.pool.publish(node.clone());
+            self.pool.wake(1);
+        }
+        if lazy {
+            self.undemanded.push(&node);
+            // SeqCst after the push (a lock release): a `demand_all` that began
+            // before this load either saw the push or is seen here.
+            if self.global_demand.load(Ordering::SeqCst) > 0 {
+                self.demand(std::slice::from_ref(&node));
             }
-            self.inbox_len
-                .store(0, std::sync::atomic::Ordering::Relaxed);
-            let spare = std::mem::take(&mut inbox.spare);
-            std::mem::replace(&mut inbox.entries, spare)
-        };
-        let mut entries = entries;
+        }
+        if self.retiring.load(Ordering::SeqCst) {
+            self.keep_workers();
+        }
+        if mode == Mode::Sync {
+            // The node's own failure is reported by the caller through the values
+            // it wrote or its task handle; a wait that cannot happen (a record
+            // inside a task that depends on that task) is this call's error.
+            self.wait_for(std::iter::once(node.clone()).collect())?;
+        }
+        Ok(node)
+    }
+
+    /// Demands `roots` and their unfinished ancestors and hands out the ready
+    /// ones.
+    fn demand(&self, roots: &[NodeRef]) {
         let mut pushed = 0;
-        let mut recorded = false;
-        for entry in entries.drain(..) {
-            match entry {
-                Entry::Record {
-                    meta,
-                    reads,
-                    writes,
-                    task,
-                } => {
-                    let status = task.status.clone();
-                    let id = st.graph.record(meta, &reads, &writes, task);
-                    if let Some(s) = status {
-                        s.set_node(id);
-                    }
-                    st.tally.recorded += 1;
-                    recorded = true;
-                    if st.global_demand > 0 {
-                        st.graph.demand(&[id], &mut |r| {
-                            sched::publish(self, r);
-                            pushed += 1;
-                        });
-                    }
-                }
-                Entry::DropVar(v) => st.graph.drop_var(v),
+        graph::demand(roots, &mut |r| {
+            self.pool.publish(r);
+            pushed += 1;
+        });
+        self.pool.wake(pushed);
+    }
+
+    /// Demands every node recorded so far (Lazy mode).
+    fn demand_all(&self) {
+        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        if self.config.mode != Mode::Lazy {
+            return;
+        }
+        let mut pushed = 0;
+        self.undemanded.for_each(|nodes| {
+            graph::demand(nodes, &mut |r| {
+                self.pool.publish(r);
+                pushed += 1;
+            });
+        });
+        self.pool.wake(pushed);
+    }
+
+    /// Completes a node that ran: releases its dependents (the first one is
+    /// returned for this thread to run next, the others are published) and
+    /// wakes whoever waits for it or for the graph to drain.
+    fn complete(&self, node: &NodeRef, outcome: Outcome) -> Option<NodeRef> {
+        match &outcome {
+            Outcome::Done => {}
+            Outcome::Failed(_) => {
+                self.counters.failed.fetch_add(1, Ordering::Relaxed);
+            }
+            Outcome::Skipped(_) => {
+                self.counters.skipped.fetch_add(1, Ordering::Relaxed);
             }
         }
-        if recorded {
-            self.keep_workers(st);
-        }
-        let live = st.graph.live_nodes();
-        if live > st.peak_live {
-            st.peak_live = live;
-        }
-        // Keep the emptied buffer for the next swap: no allocation per batch.
-        let mut inbox = lock(&self.inbox);
-        if inbox.spare.capacity() < entries.capacity() {
-            inbox.spare = entries;
-        }
-        drop(inbox);
-        self.sleep.wake(pushed);
-    }
-
-    /// A new Var id, from the pool reserved in the graph.
-    pub(crate) fn new_var(&self) -> VarId {
-        if let Some(v) = lock(&self.inbox).free_vars.pop() {
-            return v;
-        }
-        let mut st = lock(&self.state);
-        let mut inbox = lock(&self.inbox);
-        if inbox.free_vars.is_empty() {
-            for _ in 0..VAR_CHUNK {
-                let v = st.graph.new_var();
-                inbox.free_vars.push(v);
+        let mut next = None;
+        let mut pushed = 0;
+        let waiters = graph::complete(node, outcome, &mut |r| {
+            if next.is_none() {
+                next = Some(r);
+            } else {
+                self.pool.publish(r);
+                pushed += 1;
             }
+        });
+        self.counters.completed.fetch_add(1, Ordering::Relaxed);
+        self.pool.wake(pushed);
+        let live = self.live.fetch_sub(1, Ordering::SeqCst) - 1;
+        waiters.wake();
+        if live <= self.resume_at && self.drained.waiters.load(Ordering::SeqCst) > 0 {
+            self.drained.notify();
         }
-        inbox.free_vars.pop().expect("just reserved")
+        if live == 0 && self.retiring.load(Ordering::SeqCst) {
+            self.check_drained();
+        }
+        next
     }
 
-    /// A new Var id that is poisoned from the start.
-    pub(crate) fn new_poisoned_var(&self, err: crate::error::SharedError) -> VarId {
-        let v = self.new_var();
-        lock(&self.state).graph.poison_var(v, err);
-        v
-    }
-
-    /// Forgets a Var whose last handle is gone, after every record that named it.
-    pub(crate) fn drop_var(&self, var: VarId) {
-        let mut inbox = lock(&self.inbox);
-        inbox.entries.push(Entry::DropVar(var));
-        self.inbox_len
-            .store(inbox.entries.len(), std::sync::atomic::Ordering::Relaxed);
-    }
-
+    /// Recording stalls: in Lazy mode everything recorded is demanded (and so
+    /// is what other threads record meanwhile), then the frontend waits until
+    /// the graph drained to the low mark.
     #[cold]
-    fn backpressure<'a>(&'a self, mut st: MutexGuard<'a, Locked>) -> MutexGuard<'a, Locked> {
+    fn backpressure(&self) {
         self.counters
             .backpressure_stalls
             .fetch_add(1, Ordering::Relaxed);
         let lazy = self.config.mode == Mode::Lazy;
         if lazy {
-            self.demand_all(&mut st);
-            st.global_demand += 1;
+            self.global_demand.fetch_add(1, Ordering::SeqCst);
+            self.demand_all();
         }
-        st.bp_waiters += 1;
-        // Resume below the high mark even when the marks are equal.
-        let resume_at = self.config.low.min(self.config.high - 1);
-        while st.graph.live_nodes() > resume_at {
-            // Re-armed by every waiter that goes (back) to sleep: another frontend
-            // may have refilled the graph since the last notification.
-            st.bp_signalled = false;
-            st = wait(&self.changed, st);
-        }
-        st.bp_waiters -= 1;
+        self.drained
+            .wait_until(|| self.live.load(Ordering::SeqCst) <= self.resume_at);
         if lazy {
-            st.global_demand -= 1;
+            self.global_demand.fetch_sub(1, Ordering::SeqCst);
         }
-        st
     }
 
-    /// Removes finished nodes (draining `finished`) and returns the first
-    /// dependent they made ready, to be run next by the same thread; other ready
-    /// dependents go to the queues.
-    pub(crate) fn complete(&self, finished: &mut Vec<sched::Finished>) -> Option<Work> {
-        self.complete_locked(lock(&self.state), finished)
-    }
-
-    fn complete_locked(
-        &self,
-        st: MutexGuard<'_, Locked>,
-        finished: &mut Vec<sched::Finished>,
-    ) -> Option<Work> {
-        let mut next = None;
-        let mut pushed = 0;
-        let notify = {
-            let mut st = st;
-            let mut notify = false;
-            for (node, outcome, status) in finished.drain(..) {
-                match &outcome {
-                    Outcome::Done => {}
-                    Outcome::Failed(_) => st.tally.failed += 1,
-                    Outcome::Skipped(_) => st.tally.skipped += 1,
-                }
-                st.tally.completed += 1;
-                let (waited, err) = st.graph.complete(node, outcome, &mut |r| {
-                    if next.is_none() {
-                        next = Some(r);
-                    } else {
-                        sched::publish(self, r);
-                        pushed += 1;
+    /// The targeted flush: demands `targets` (and their ancestors, nothing else)
+    /// and waits until they finished. On a worker thread it runs the work it
+    /// needs while it waits, and refuses to wait for the task it is running.
+    pub(crate) fn wait_for(&self, targets: SmallVec<[NodeRef; 4]>) -> Result<()> {
+        let targets: SmallVec<[NodeRef; 4]> =
+            targets.into_iter().filter(|t| !t.is_done()).collect();
+        if targets.is_empty() {
+            return Ok(());
+        }
+        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        let on_worker = self.on_worker();
+        let check = self.check_wait(&targets, on_worker)?;
+        self.demand(&targets);
+        match check {
+            Some((entry, allowed)) => {
+                self.help_until(&targets, &allowed);
+                self.end_wait(entry);
+            }
+            None => {
+                // One latch per target: each completion wakes only this thread.
+                for t in &targets {
+                    let latch = std::sync::Arc::new(Latch::default());
+                    if t.add_waiter(&latch) {
+                        latch.wait();
                     }
-                });
-                // Under the lock, so a blocker that sees the node gone sees its
-                // status.
-                sched::report(status, err);
-                notify |= waited;
+                }
             }
-            if st.retiring {
-                self.check_drained(&mut st);
-            }
-            let live = st.graph.live_nodes();
-            let drained = st.bp_waiters > 0
-                && !st.bp_signalled
-                && live <= self.config.low.min(self.config.high - 1);
-            if drained {
-                st.bp_signalled = true;
-            }
-            notify || drained || (st.all_waiters > 0 && live == 0)
-        };
-        if notify {
-            self.changed.notify_all();
-        }
-        self.sleep.wake(pushed);
-        next
-    }
-
-    /// Whether any queue holds work (checked by a worker before it parks).
-    pub(crate) fn has_queued_work(&self) -> bool {
-        !self.injector.is_empty() || self.stealers.iter().any(|s| !s.is_empty())
-    }
-
-    /// The targeted flush: demands the nodes `targets` picks (and their ancestors,
-    /// nothing else) and waits until they finished. On a worker thread it runs other
-    /// work while it waits, and refuses to wait for the task it is running.
-    pub(crate) fn wait_for(
-        &self,
-        targets: impl FnOnce(&Graph<Task>) -> SmallVec<[NodeId; 4]>,
-    ) -> Result<()> {
-        let on_worker = sched::on_worker_of(self.id);
-        if on_worker {
-            // What this worker has finished must be completed before it waits:
-            // the value may come from one of those nodes.
-            if let Some(next) = sched::complete_pending(self) {
-                sched::publish(self, next);
-                self.sleep.wake(1);
-            }
-        }
-        let mut st = self.lock_applied();
-        let roots = targets(&st.graph);
-        if roots.is_empty() {
-            return Ok(());
-        }
-        let borrowed = sched::borrowed_vars(self.id);
-        // Only waits that can deadlock need the walk (a frontend wait over a
-        // long Lazy chain would otherwise pay it on every blocker).
-        let ancestors = if on_worker || !borrowed.is_empty() {
-            st.graph.ancestors(&roots)
-        } else {
-            std::collections::HashSet::new()
-        };
-        if !borrowed.is_empty() {
-            if let Some(n) = st.graph.writer_among(ancestors.iter().copied(), &borrowed) {
-                return Err(deadlock_error(
-                    st.graph.meta(n),
-                    "writes a Var that this thread is reading in Var::with",
-                ));
-            }
-        }
-        let mut registered = None;
-        if on_worker {
-            let running = sched::running_nodes();
-            // Any task suspended on this thread (not only the innermost) that the
-            // targets depend on can never finish while this wait lasts.
-            if let Some(&n) = running.iter().rev().find(|n| ancestors.contains(n)) {
-                return Err(deadlock_error(
-                    st.graph.meta(n),
-                    "would wait on its own output: it is the task that waits, or one suspended under it on the same thread",
-                ));
-            }
-            // Nor can one whose finish needs, through blockers inside tasks on
-            // other threads, what this wait keeps from finishing.
-            if let Some(n) = waits_cycle(&st, &ancestors, &running) {
-                return Err(deadlock_error(
-                    st.graph.meta(n),
-                    "waits, through blockers inside tasks on other threads, for this wait to end",
-                ));
-            }
-            let id = st.next_wait;
-            st.next_wait += 1;
-            st.waits.push(WaitEntry {
-                id,
-                stack: running,
-                roots: roots.clone(),
-            });
-            registered = Some(id);
-        }
-        let mut pushed = 0;
-        st.graph.demand(&roots, &mut |r| {
-            sched::publish(self, r);
-            pushed += 1;
-        });
-        st.tally.flushes += 1;
-        for &r in &roots {
-            st.graph.set_waited(r);
-        }
-        self.sleep.wake(pushed);
-        let done = |g: &Graph<Task>| roots.iter().all(|r| !g.is_live(*r));
-        if let Some(id) = registered {
-            drop(st);
-            self.help_until(done, &ancestors);
-            lock(&self.state).waits.retain(|w| w.id != id);
-            return Ok(());
-        }
-        while !done(&st.graph) {
-            st = wait(&self.changed, st);
         }
         Ok(())
     }
 
-    /// Demands everything and waits until the graph is empty.
+    /// Demands everything and waits until no node is left unfinished.
     pub(crate) fn wait_all(&self) -> Result<()> {
-        if sched::on_worker_of(self.id) {
-            if let Some(current) = sched::current_node() {
-                let meta = lock(&self.state).graph.meta(current);
-                return Err(deadlock_error(
-                    meta,
-                    "is the task that waits for everything",
-                ));
-            }
-        }
-        let mut st = lock(&self.state);
-        let borrowed = sched::borrowed_vars(self.id);
-        if !borrowed.is_empty() {
-            self.apply_inbox(&mut st);
-            if let Some(n) = st.graph.writer_among(st.graph.node_ids(), &borrowed) {
-                return Err(deadlock_error(
-                    st.graph.meta(n),
-                    "writes a Var that this thread is reading in Var::with",
-                ));
-            }
-        }
-        st.global_demand += 1;
-        self.apply_inbox(&mut st);
-        self.demand_all(&mut st);
-        st.all_waiters += 1;
-        loop {
-            // Whatever entered the inbox meanwhile is part of the barrier too.
-            self.apply_inbox(&mut st);
-            if st.graph.live_nodes() == 0 {
-                break;
-            }
-            st = wait(&self.changed, st);
-        }
-        st.all_waiters -= 1;
-        st.global_demand -= 1;
+        self.check_wait_all()?;
+        self.global_demand.fetch_add(1, Ordering::SeqCst);
+        self.demand_all();
+        self.drained
+            .wait_until(|| self.live.load(Ordering::SeqCst) == 0);
+        self.global_demand.fetch_sub(1, Ordering::SeqCst);
         Ok(())
     }
 
     /// A worker blocked inside a task keeps the pool going: it runs queued work
     /// that the wait needs (`allowed`: the targets and their ancestors, fixed when
-    /// the wait began, since a later node cannot be an ancestor) until `done`
-    /// holds, and naps briefly when there is none (the work it waits for may be
-    /// running on another thread). Running anything else could suspend, under this
-    /// wait, a task that itself needs a task suspended further down this stack.
+    /// the wait began, since a later node cannot be an ancestor) until the
+    /// targets finished, and naps briefly on the first unfinished target when
+    /// there is none (the work it waits for may be running on another thread).
+    /// Running anything else could suspend, under this wait, a task that itself
+    /// needs a task suspended further down this stack.
     #[cold]
     fn help_until(
         &self,
-        done: impl Fn(&Graph<Task>) -> bool,
-        allowed: &std::collections::HashSet<NodeId>,
+        targets: &[NodeRef],
+        allowed: &std::collections::HashMap<usize, NodeRef>,
     ) {
         let mut others = Vec::new();
         loop {
-            if done(&lock(&self.state).graph) {
+            let Some(waiting) = targets.iter().find(|t| !t.is_done()) else {
                 break;
-            }
+            };
             let mut ran = false;
-            while let Some(work) = sched::find_work(self) {
-                if allowed.contains(&work.node) {
-                    sched::run_completing(self, work, |n| allowed.contains(&n));
+            while let Some(node) = self.pool.find_work() {
+                if allowed.contains_key(&node.key()) {
+                    self.run_completing(node, allowed);
                     ran = true;
                     break;
                 }
-                others.push(work);
+                others.push(node);
                 if others.len() >= 64 {
                     break;
                 }
             }
             // Work this wait does not need goes back for the other workers.
             let n = others.len();
-            for work in others.drain(..) {
-                self.injector.push(work);
+            for node in others.drain(..) {
+                self.pool.publish_global(node);
             }
-            self.sleep.wake(n);
+            self.pool.wake(n);
             if ran {
                 continue;
             }
-            let st = lock(&self.state);
-            if done(&st.graph) {
-                break;
-            }
-            let _ = self.changed.wait_timeout(st, Duration::from_micros(200));
-        }
-    }
-}
-
-fn deadlock_error(meta: Option<NodeMeta>, reason: &str) -> Error {
-    let (op, location) = match meta {
-        Some(m) => (m.name.to_string(), m.location),
-        None => ("<unknown>".to_string(), Location::caller()),
-    };
-    Error::WouldDeadlock {
-        op,
-        location,
-        reason: reason.to_string(),
-    }
-}
-
-/// A blocker inside a task, waiting on `roots`, on a thread where `stack` runs
-/// (outermost first).
-pub(crate) struct WaitEntry {
-    id: u64,
-    stack: Vec<NodeId>,
-    roots: SmallVec<[NodeId; 4]>,
-}
-
-/// Whether a new wait, whose targets need `needed` (the targets and their
-/// ancestors), closes a cycle through the waits of other threads: a node in
-/// `needed` that is running on a thread suspended in a blocker finishes only
-/// after that blocker's targets (and their ancestors) do, so those are needed
-/// too. Returns the node of `running` (this thread's stack) found needed.
-fn waits_cycle(
-    st: &Locked,
-    needed: &std::collections::HashSet<NodeId>,
-    running: &[NodeId],
-) -> Option<NodeId> {
-    if st.waits.is_empty() {
-        return None;
-    }
-    let mut needed = needed.clone();
-    let mut merged = vec![false; st.waits.len()];
-    loop {
-        let mut grew = false;
-        for (i, w) in st.waits.iter().enumerate() {
-            if !merged[i] && w.stack.iter().any(|n| needed.contains(n)) {
-                merged[i] = true;
-                needed.extend(st.graph.ancestors(&w.roots));
-                grew = true;
+            let latch = std::sync::Arc::new(Latch::default());
+            if waiting.add_waiter(&latch) {
+                latch.wait_timeout(Duration::from_micros(200));
             }
         }
-        if !grew {
-            break;
-        }
     }
-    running.iter().rev().copied().find(|n| needed.contains(n))
-}
 
-fn wait<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
-    match cv.wait(guard) {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
+    /// Runs `node` and completes it, then the dependents it releases for as long
+    /// as the wait needs them (the rest go to the queues).
+    fn run_completing(&self, mut node: NodeRef, allowed: &std::collections::HashMap<usize, NodeRef>) {
+        loop {
+            let outcome = execute(&node);
+            match self.complete(&node, outcome) {
+                Some(next) if allowed.contains_key(&next.key()) => node = next,
+                Some(next) => {
+                    self.pool.publish(next);
+                    self.pool.wake(1);
+                    return;
+                }
+                None => return,
+            }
+        }
     }
 }

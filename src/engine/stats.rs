@@ -31,23 +31,19 @@ pub struct Stats {
     pub tracked_vars: usize,
 }
 
-/// Counts kept under the engine lock.
-#[derive(Default)]
-pub(crate) struct Tally {
-    pub(crate) recorded: u64,
-    pub(crate) completed: u64,
-    pub(crate) failed: u64,
-    pub(crate) skipped: u64,
-    pub(crate) flushes: u64,
-}
-
-/// Counts bumped outside the lock.
+/// Counts bumped on the hot paths (Relaxed: statistics only).
 #[derive(Default)]
 pub(crate) struct Counters {
+    pub(crate) recorded: AtomicU64,
+    pub(crate) completed: AtomicU64,
+    pub(crate) failed: AtomicU64,
+    pub(crate) skipped: AtomicU64,
+    pub(crate) flushes: AtomicU64,
     pub(crate) blockers: AtomicU64,
     pub(crate) implicit_blockers: AtomicU64,
     pub(crate) backpressure_stalls: AtomicU64,
     pub(crate) live_vars: AtomicUsize,
+    pub(crate) tracked_vars: AtomicUsize,
 }
 
 impl Counters {
@@ -61,27 +57,21 @@ impl Counters {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub(crate) fn snapshot(
-        &self,
-        tally: &Tally,
-        live_nodes: usize,
-        peak: usize,
-        tracked_vars: usize,
-    ) -> Stats {
+    pub(crate) fn snapshot(&self, live_nodes: usize, peak: usize) -> Stats {
         let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
         Stats {
-            recorded: tally.recorded,
-            completed: tally.completed,
-            failed: tally.failed,
-            skipped: tally.skipped,
-            flushes: tally.flushes,
+            recorded: r(&self.recorded),
+            completed: r(&self.completed),
+            failed: r(&self.failed),
+            skipped: r(&self.skipped),
+            flushes: r(&self.flushes),
             blockers: r(&self.blockers),
             implicit_blockers: r(&self.implicit_blockers),
             backpressure_stalls: r(&self.backpressure_stalls),
             live_nodes,
-            peak_live_nodes: peak,
+            peak_live_nodes: peak.max(live_nodes),
             live_vars: self.live_vars.load(Ordering::Relaxed),
-            tracked_vars,
+            tracked_vars: self.tracked_vars.load(Ordering::Relaxed),
         }
     }
 }

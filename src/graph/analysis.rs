@@ -1,60 +1,50 @@
-//! A petgraph snapshot of the live window, for DOT export. (Deadlock checks walk
-//! the graph's own dependency lists instead: see `Graph::ancestors`; copying the
-//! whole live graph under the engine lock for every blocker inside a task cost
-//! time proportional to everything recorded.)
+//! A petgraph snapshot of part of the graph, for DOT export. (Deadlock checks walk
+//! the nodes' own dependency lists instead: see `graph::ancestors`.)
 
-use super::{NodeId, NodeMeta};
+use super::{ancestors, NodeRef};
 use petgraph::graph::DiGraph;
 use std::collections::HashMap;
 use std::fmt::Write;
 
-/// A copy of the live DAG at one moment; edges point from a dependency to the
-/// node that waits for it.
-pub(crate) struct Analysis {
-    dag: DiGraph<(NodeId, NodeMeta, bool), ()>,
-}
-
-impl Analysis {
-    pub(crate) fn new(nodes: impl Iterator<Item = (NodeId, NodeMeta, bool, Vec<NodeId>)>) -> Self {
-        let mut dag = DiGraph::new();
-        let mut index = HashMap::new();
-        let mut edges = Vec::new();
-        for (id, meta, demanded, deps) in nodes {
-            index.insert(id, dag.add_node((id, meta, demanded)));
-            edges.push((id, deps));
-        }
-        for (id, deps) in edges {
-            for d in deps {
-                if let (Some(&a), Some(&b)) = (index.get(&d), index.get(&id)) {
-                    dag.add_edge(a, b, ());
-                }
+/// `roots` and every unfinished node they wait for, in Graphviz DOT; edges point
+/// from a dependency to the node that waits for it, and demanded nodes are bold.
+/// `label` names a node's lane (the engine's device).
+pub(crate) fn to_dot<J>(roots: &[NodeRef<J>], label: impl Fn(u32) -> String) -> String {
+    let nodes = ancestors(roots);
+    let mut dag = DiGraph::<&NodeRef<J>, ()>::new();
+    let mut index = HashMap::new();
+    // Record order is lost in a hash map; order by address for a stable output.
+    let mut sorted: Vec<_> = nodes.iter().collect();
+    sorted.sort_by_key(|(k, _)| **k);
+    for (k, n) in &sorted {
+        index.insert(**k, dag.add_node(n));
+    }
+    for (k, n) in &sorted {
+        for d in n.deps() {
+            if let (Some(&a), Some(&b)) = (index.get(&d.key()), index.get(*k)) {
+                dag.add_edge(a, b, ());
             }
         }
-        Analysis { dag }
     }
-
-    /// The live DAG in Graphviz DOT; demanded nodes are drawn bold.
-    pub(crate) fn to_dot(&self) -> String {
-        let mut out = String::from("digraph lazyflow {\n  node [shape=box];\n");
-        for i in self.dag.node_indices() {
-            let (_, meta, demanded) = &self.dag[i];
-            let style = if *demanded { ", style=bold" } else { "" };
-            let _ = writeln!(
-                out,
-                "  n{} [label=\"{} ({})\\n{}\"{}];",
-                i.index(),
-                meta.name.escape_default(),
-                meta.device,
-                meta.location.to_string().escape_default(),
-                style
-            );
-        }
-        for e in self.dag.edge_indices() {
-            if let Some((a, b)) = self.dag.edge_endpoints(e) {
-                let _ = writeln!(out, "  n{} -> n{};", a.index(), b.index());
-            }
-        }
-        out.push_str("}\n");
-        out
+    let mut out = String::from("digraph lazyflow {\n  node [shape=box];\n");
+    for i in dag.node_indices() {
+        let n = dag[i];
+        let style = if n.is_demanded() { ", style=bold" } else { "" };
+        let _ = writeln!(
+            out,
+            "  n{} [label=\"{} ({})\\n{}\"{}];",
+            i.index(),
+            n.meta.name.escape_default(),
+            label(n.meta.lane),
+            n.meta.location.to_string().escape_default(),
+            style
+        );
     }
+    for e in dag.edge_indices() {
+        if let Some((a, b)) = dag.edge_endpoints(e) {
+            let _ = writeln!(out, "  n{} -> n{};", a.index(), b.index());
+        }
+    }
+    out.push_str("}\n");
+    out
 }

@@ -1,40 +1,52 @@
-//! The live window of the dependency DAG: nodes that are recorded but not finished,
-//! and the access tracking of every Var that still has a handle.
+//! The dependency graph as a data structure, with no global structure and no
+//! global lock: nodes that carry an atomic count of what they wait for, and one
+//! access queue per Var.
 //!
-//! Dependencies come from data access alone. For each Var the graph remembers its
-//! last writer and the readers since that write, so a new node depends on exactly
-//! what it must: the last writer of everything it reads (read-after-write), and the
-//! last writer plus the readers of everything it writes (write-after-write,
-//! write-after-read). A node leaves the graph when it completes, so memory follows
-//! the number of unfinished nodes, not the length of the program.
+//! - **Recording** ([`record`]) locks only the queues of the Vars the node names
+//!   (all of them at once, in address order, so that two threads recording at the
+//!   same time are serialized on the Vars they share and can never wire a cycle).
+//!   A queue remembers the Var's last writer and the readers since that write, so
+//!   the node waits for exactly what it must: the last writer of what it reads
+//!   (read-after-write), and the last writer plus the readers of what it writes
+//!   (write-after-write, write-after-read). Each such node gets the new one in its
+//!   list of dependents.
+//! - **The count** ([`Node::pending`]): unfinished dependencies, plus one while
+//!   the node is being recorded, plus one until it is demanded (Lazy mode).
+//!   Whoever brings it to zero hands the node out, exactly once.
+//! - **Completing** ([`complete`]) touches only the finished node and its
+//!   dependents' counts; the Var queues keep the finished writer (its outcome is
+//!   the Var's poison) until the next write replaces it.
+//! - **Demanding** ([`demand`]) walks the node's own dependency lists.
 //!
-//! The graph is a plain data structure; the engine keeps it behind its one lock.
-//! It is generic over the job payload `J` so that its algorithms are unit-tested
-//! with fake nodes and no threads.
+//! Why per-node dependents and not a FIFO of waiting accesses per Var (MXNet's
+//! ThreadedVar): the edges are exact, a completion releases its dependents without
+//! visiting any Var, and the demand walk of Lazy mode needs the dependency lists
+//! anyway. The protocol is written up in `README.md` beside this file.
+//!
+//! Everything here is generic over the job payload `J`, so it is unit-tested with
+//! fake jobs and model-checked with loom; the graph knows nothing of devices
+//! (DOT labels come from the caller).
 
 mod analysis;
 
 use crate::error::{Error, Location, SharedError};
-use slotmap::{new_key_type, SlotMap};
+use crate::sync::{lock, Arc, AtomicBool, AtomicU32, Condvar, Mutex, MutexGuard, Ordering};
 use smallvec::SmallVec;
-use std::sync::Arc;
 
-pub(crate) use analysis::Analysis;
+pub(crate) use analysis::to_dot;
 
-new_key_type! {
-    /// Identifies a node while it is live (recorded and not yet finished).
-    pub struct NodeId;
-    /// Identifies the access tracking of one Var.
-    pub struct VarId;
-}
+/// A node, shared by whoever must reach it: the Var queues, its dependencies'
+/// dependent lists, the queues of the pool, blockers and task handles.
+pub(crate) type NodeRef<J> = Arc<Node<J>>;
 
 /// What a node is, for errors, traces and DOT export.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct NodeMeta {
     pub(crate) name: &'static str,
     pub(crate) location: Location,
-    /// Where the node runs; the graph and the scheduler never look at it.
-    pub(crate) device: crate::device::Device,
+    /// An opaque number the engine gives the node (the device it runs on); the
+    /// graph only passes it to the caller's label function.
+    pub(crate) lane: u32,
 }
 
 /// How a node ended.
@@ -48,372 +60,453 @@ pub(crate) enum Outcome {
     Skipped(SharedError),
 }
 
-/// A node whose dependencies are all finished and which is demanded: hand it to a
-/// device. `skip` is set when one of its inputs was poisoned.
-pub(crate) struct Ready<J> {
-    pub(crate) node: NodeId,
-    pub(crate) job: J,
-    pub(crate) skip: Option<SharedError>,
+/// One unit of [`Node::pending`] held while the node is being recorded.
+const RECORDING: u32 = 1;
+/// One unit of [`Node::pending`] held until the node is demanded.
+const UNDEMANDED: u32 = 1;
+
+/// One operation in the graph.
+pub(crate) struct Node<J> {
+    pub(crate) meta: NodeMeta,
+    /// Unfinished dependencies, plus [`RECORDING`] until [`record`] is done
+    /// wiring the node, plus [`UNDEMANDED`] until [`demand`] reaches it. AcqRel:
+    /// the thread that brings it to zero hands the node out and must see what
+    /// every earlier decrement published (the `skip` set before it).
+    pending: AtomicU32,
+    /// Set once by the first [`demand`] to reach the node (swap, AcqRel).
+    demanded: AtomicBool,
+    /// Set (Release) under `state`'s lock when the node completes, after its
+    /// error is stored there; read (Acquire) without the lock by recorders and
+    /// blockers. Registering as a dependent or a waiter re-checks it under the
+    /// lock, so nothing registers after the completion took the lists.
+    done: AtomicBool,
+    /// Whether it failed or was skipped (Release with `done`), so that a recorder
+    /// locks `state` only to fetch an error that exists.
+    failed: AtomicBool,
+    /// The Vars it writes, by address (deadlock checks of blockers).
+    writes: SmallVec<[usize; 2]>,
+    state: Mutex<State<J>>,
 }
 
-struct Node<J> {
-    meta: NodeMeta,
-    reads: SmallVec<[VarId; 4]>,
-    writes: SmallVec<[VarId; 2]>,
-    /// Live nodes this one waits for (kept for ancestor walks).
-    deps: SmallVec<[NodeId; 2]>,
-    /// Live nodes waiting for this one.
-    dependents: SmallVec<[NodeId; 2]>,
-    /// Unfinished dependencies. Only touched under the engine lock.
-    pending: u32,
-    demanded: bool,
-    /// `None` once handed out as ready.
+struct State<J> {
+    /// `None` once handed out.
     job: Option<J>,
-    /// The failure of an input, found when that input's writer completed.
+    /// The failure of an input: the node is skipped instead of run.
     skip: Option<SharedError>,
-    /// A blocker waits for this node: wake it on completion.
-    waited: bool,
+    /// The node's own failure, once it completed.
+    err: Option<SharedError>,
+    /// Nodes this one waits for (the demand walk and deadlock checks follow
+    /// them); cleared on completion, so finished nodes do not hold a chain.
+    deps: SmallVec<[NodeRef<J>; 2]>,
+    /// Nodes waiting for this one, each with whether it reads what this writes
+    /// (then a failure here skips it).
+    dependents: SmallVec<[(NodeRef<J>, bool); 2]>,
+    /// Blockers to wake on completion.
+    waiters: SmallVec<[Arc<Latch>; 1]>,
 }
 
-#[derive(Default)]
-struct VarTrack {
-    /// The live node that writes this Var last; `None` once it finished.
-    last_writer: Option<NodeId>,
-    /// Nodes that read this Var since its last write (some may have finished).
-    readers: SmallVec<[NodeId; 4]>,
+impl<J> Node<J> {
+    /// Whether the node has completed (Acquire: its outcome is visible then).
+    #[inline]
+    pub(crate) fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// Its failure (or the failure that made it skip), once it completed.
+    pub(crate) fn error(&self) -> Option<SharedError> {
+        if self.failed.load(Ordering::Acquire) {
+            lock(&self.state).err.clone()
+        } else {
+            None
+        }
+    }
+
+    /// Whether it writes the Var whose queue is at `var` (see [`VarQueue::key`]).
+    pub(crate) fn writes(&self, var: usize) -> bool {
+        self.writes.contains(&var)
+    }
+
+    /// The node's address: equal for every reference to the same node.
+    #[inline]
+    pub(crate) fn key(&self) -> usize {
+        self as *const Self as *const () as usize
+    }
+
+    /// Takes the job to run it, with the failure that makes it skip instead.
+    /// `None` if it was taken already.
+    pub(crate) fn take_job(&self) -> Option<(J, Option<SharedError>)> {
+        let mut s = lock(&self.state);
+        let job = s.job.take()?;
+        Some((job, s.skip.clone()))
+    }
+
+    /// Registers `latch` to be set when the node completes. Returns false (and
+    /// registers nothing) if it already has.
+    pub(crate) fn add_waiter(&self, latch: &Arc<Latch>) -> bool {
+        let mut s = lock(&self.state);
+        if self.done.load(Ordering::Relaxed) {
+            return false;
+        }
+        s.waiters.push(latch.clone());
+        true
+    }
+
+    /// The nodes it waits for that have not finished.
+    pub(crate) fn deps(&self) -> SmallVec<[NodeRef<J>; 2]> {
+        let s = lock(&self.state);
+        s.deps.iter().filter(|d| !d.is_done()).cloned().collect()
+    }
+
+    /// Whether it was demanded.
+    pub(crate) fn is_demanded(&self) -> bool {
+        self.demanded.load(Ordering::Acquire)
+    }
+}
+
+/// The access queue of one Var: its last writer and the readers since.
+pub(crate) struct VarQueue<J> {
+    inner: Mutex<VarState<J>>,
+}
+
+struct VarState<J> {
+    /// The node that writes the Var last. Kept after it finished (until the
+    /// next write, or until a record or blocker finds it finished and moves its
+    /// outcome to `poison`): its outcome is the Var's.
+    last_writer: Option<NodeRef<J>>,
+    /// Nodes that read the Var since its last write (some may have finished).
+    readers: SmallVec<[NodeRef<J>; 2]>,
     /// Length of `readers` at which finished readers are pruned (amortized O(1)).
     prune_at: usize,
-    /// Outcome of the last finished write: the value is unusable when set.
+    /// The failure that poisons the value when there is no last writer: the
+    /// last one's, moved here, or one given at creation.
     poison: Option<SharedError>,
 }
 
 const PRUNE_MIN: usize = 8;
 
-/// The live DAG. See the module documentation.
-pub(crate) struct Graph<J> {
-    nodes: SlotMap<NodeId, Node<J>>,
-    vars: SlotMap<VarId, VarTrack>,
-}
-
-impl<J> Default for Graph<J> {
+impl<J> Default for VarQueue<J> {
     fn default() -> Self {
-        Graph {
-            nodes: SlotMap::with_key(),
-            vars: SlotMap::with_key(),
-        }
+        VarQueue::new(None)
     }
 }
 
-impl<J> Graph<J> {
-    /// Number of recorded but unfinished nodes.
+impl<J> VarQueue<J> {
+    /// A queue with no accesses yet, poisoned from the start if `poison` is set
+    /// (a value rejected at record time by an op that cannot return `Err`).
+    pub(crate) fn new(poison: Option<SharedError>) -> Self {
+        VarQueue {
+            inner: Mutex::new(VarState {
+                last_writer: None,
+                readers: SmallVec::new(),
+                prune_at: PRUNE_MIN,
+                poison,
+            }),
+        }
+    }
+
+    /// The queue's address: identifies the Var in [`Node::writes`].
     #[inline]
-    pub(crate) fn live_nodes(&self) -> usize {
-        self.nodes.len()
+    pub(crate) fn key(&self) -> usize {
+        self as *const Self as *const () as usize
     }
 
-    /// Number of Vars with live handles.
-    pub(crate) fn tracked_vars(&self) -> usize {
-        self.vars.len()
+    /// The unfinished node a reader of the Var must wait for, if any.
+    pub(crate) fn writer(&self) -> Option<NodeRef<J>> {
+        let mut v = lock(&self.inner);
+        v.settle();
+        v.last_writer.clone()
     }
 
-    #[inline]
-    pub(crate) fn is_live(&self, node: NodeId) -> bool {
-        self.nodes.contains_key(node)
-    }
-
-    pub(crate) fn meta(&self, node: NodeId) -> Option<NodeMeta> {
-        self.nodes.get(node).map(|n| n.meta)
-    }
-
-    /// Starts tracking a new Var (no accesses yet).
-    pub(crate) fn new_var(&mut self) -> VarId {
-        self.vars.insert(VarTrack {
-            prune_at: PRUNE_MIN,
-            ..VarTrack::default()
-        })
-    }
-
-    /// Stops tracking a Var whose last handle is gone: no new node can name it.
-    /// Pending accesses keep the data itself alive.
-    pub(crate) fn drop_var(&mut self, var: VarId) {
-        self.vars.remove(var);
-    }
-
-    /// Records a node that reads `reads` and writes `writes`, wiring it after
-    /// exactly the live nodes it conflicts with. A Var may appear in both lists.
-    pub(crate) fn record(
-        &mut self,
-        meta: NodeMeta,
-        reads: &[VarId],
-        writes: &[VarId],
-        job: J,
-    ) -> NodeId {
-        let mut deps: SmallVec<[NodeId; 2]> = SmallVec::new();
-        let mut skip = None;
-        let add = |deps: &mut SmallVec<[NodeId; 2]>, d: NodeId| {
-            if !deps.contains(&d) {
-                deps.push(d);
-            }
-        };
-        for &v in reads {
-            if let Some(t) = self.vars.get(v) {
-                match t.last_writer {
-                    Some(w) => add(&mut deps, w),
-                    None => {
-                        if skip.is_none() {
-                            skip.clone_from(&t.poison);
-                        }
-                    }
-                }
-            }
-        }
-        for &v in writes {
-            if let Some(t) = self.vars.get(v) {
-                if let Some(w) = t.last_writer {
-                    add(&mut deps, w);
-                }
-                for &r in &t.readers {
-                    if self.nodes.contains_key(r) {
-                        add(&mut deps, r);
-                    }
-                }
-            }
-        }
-        let id = self.nodes.insert(Node {
-            meta,
-            reads: SmallVec::from_slice(reads),
-            writes: SmallVec::from_slice(writes),
-            pending: deps.len() as u32,
-            deps: SmallVec::new(),
-            dependents: SmallVec::new(),
-            demanded: false,
-            job: Some(job),
-            skip,
-            waited: false,
-        });
-        for &d in &deps {
-            // Every dep is live: last writers are cleared on completion and
-            // readers were filtered above.
-            self.nodes[d].dependents.push(id);
-        }
-        self.nodes[id].deps = deps;
-        for &v in reads {
-            if writes.contains(&v) {
-                continue;
-            }
-            if let Some(t) = self.vars.get_mut(v) {
-                if t.readers.len() >= t.prune_at {
-                    let nodes = &self.nodes;
-                    t.readers.retain(|r| nodes.contains_key(*r));
-                    t.prune_at = (t.readers.len() * 2).max(PRUNE_MIN);
-                }
-                t.readers.push(id);
-            }
-        }
-        for &v in writes {
-            if let Some(t) = self.vars.get_mut(v) {
-                t.last_writer = Some(id);
-                t.readers.clear();
-                t.prune_at = PRUNE_MIN;
-            }
-        }
-        id
-    }
-
-    /// Marks `roots` and all their live ancestors as demanded and hands out those
-    /// whose dependencies are finished. Stops at nodes already demanded: a demanded
-    /// node's ancestors are always demanded too, so each node is visited once over
-    /// the life of the graph.
-    pub(crate) fn demand(&mut self, roots: &[NodeId], ready: &mut impl FnMut(Ready<J>)) -> usize {
-        let mut stack: SmallVec<[NodeId; 16]> = SmallVec::new();
-        let mut marked = 0;
-        for &r in roots {
-            stack.push(r);
-            while let Some(n) = stack.pop() {
-                let Some(node) = self.nodes.get_mut(n) else {
-                    continue;
-                };
-                if node.demanded {
-                    continue;
-                }
-                node.demanded = true;
-                marked += 1;
-                if node.pending == 0 {
-                    if let Some(job) = node.job.take() {
-                        ready(Ready {
-                            node: n,
-                            job,
-                            skip: node.skip.clone(),
-                        });
-                    }
-                }
-                stack.extend(node.deps.iter().copied());
-            }
-        }
-        marked
-    }
-
-    /// Demands every live node.
-    pub(crate) fn demand_all(&mut self, ready: &mut impl FnMut(Ready<J>)) -> usize {
-        let mut marked = 0;
-        for (n, node) in self.nodes.iter_mut() {
-            if node.demanded {
-                continue;
-            }
-            node.demanded = true;
-            marked += 1;
-            if node.pending == 0 {
-                if let Some(job) = node.job.take() {
-                    ready(Ready {
-                        node: n,
-                        job,
-                        skip: node.skip.clone(),
-                    });
-                }
-            }
-        }
-        marked
-    }
-
-    /// Removes a finished node, records its outcome on the Vars it wrote and
-    /// releases its dependents; those that become ready are handed out. Returns
-    /// whether a blocker was waiting for this node, and its failure if it failed.
-    pub(crate) fn complete(
-        &mut self,
-        id: NodeId,
-        outcome: Outcome,
-        ready: &mut impl FnMut(Ready<J>),
-    ) -> (bool, Option<SharedError>) {
-        let Some(node) = self.nodes.remove(id) else {
-            return (false, None);
-        };
-        let err: Option<SharedError> = match outcome {
-            Outcome::Done => None,
-            Outcome::Failed(message) => Some(Arc::new(Error::Failed {
-                op: node.meta.name.to_string(),
-                location: node.meta.location,
-                message,
-            })),
-            Outcome::Skipped(e) => Some(e),
-        };
-        for &v in &node.writes {
-            if let Some(t) = self.vars.get_mut(v) {
-                if t.last_writer == Some(id) {
-                    t.last_writer = None;
-                }
-                t.poison.clone_from(&err);
-            }
-        }
-        for &d in &node.dependents {
-            let Some(dn) = self.nodes.get_mut(d) else {
-                continue;
-            };
-            dn.pending -= 1;
-            if let Some(e) = &err {
-                if dn.skip.is_none() && dn.reads.iter().any(|r| node.writes.contains(r)) {
-                    dn.skip = Some(e.clone());
-                }
-            }
-            if dn.pending == 0 && dn.demanded {
-                if let Some(job) = dn.job.take() {
-                    ready(Ready {
-                        node: d,
-                        job,
-                        skip: dn.skip.clone(),
-                    });
-                }
-            }
-        }
-        (node.waited, err)
-    }
-
-    /// Marks a node so that its completion wakes blockers. Returns false if it
-    /// already finished.
-    pub(crate) fn set_waited(&mut self, node: NodeId) -> bool {
-        match self.nodes.get_mut(node) {
-            Some(n) => {
-                n.waited = true;
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// The live node a reader of `var` must wait for, if any.
-    pub(crate) fn writer_of(&self, var: VarId) -> Option<NodeId> {
-        self.vars.get(var).and_then(|t| t.last_writer)
-    }
-
-    /// Every live node a writer of `var` must wait for.
-    pub(crate) fn accessors_of(&self, var: VarId) -> SmallVec<[NodeId; 4]> {
-        let mut out = SmallVec::new();
-        if let Some(t) = self.vars.get(var) {
-            out.extend(t.last_writer);
-            out.extend(
-                t.readers
-                    .iter()
-                    .copied()
-                    .filter(|r| self.nodes.contains_key(*r)),
-            );
-        }
+    /// Every unfinished node a writer of the Var must wait for.
+    pub(crate) fn accessors(&self) -> SmallVec<[NodeRef<J>; 4]> {
+        let mut v = lock(&self.inner);
+        v.settle();
+        let mut out: SmallVec<[NodeRef<J>; 4]> = v.last_writer.iter().cloned().collect();
+        out.extend(v.readers.iter().filter(|r| !r.is_done()).cloned());
         out
     }
 
-    /// The failure that poisons `var`, once its last writer finished.
-    pub(crate) fn poison_of(&self, var: VarId) -> Option<SharedError> {
-        self.vars.get(var).and_then(|t| t.poison.clone())
-    }
-
-    /// Poisons a Var that no node has touched yet (a value rejected at record
-    /// time by an operator that cannot return `Err`).
-    pub(crate) fn poison_var(&mut self, var: VarId, err: SharedError) {
-        if let Some(t) = self.vars.get_mut(var) {
-            t.poison = Some(err);
+    /// The failure that poisons the value, as of the writes finished so far.
+    pub(crate) fn poison(&self) -> Option<SharedError> {
+        let mut v = lock(&self.inner);
+        v.settle();
+        match &v.last_writer {
+            Some(_) => None,
+            None => v.poison.clone(),
         }
     }
+}
 
-    /// `roots` and every live node they wait for, directly or not, by walking
-    /// the nodes' own dependency lists (no copy of the graph).
-    pub(crate) fn ancestors(&self, roots: &[NodeId]) -> std::collections::HashSet<NodeId> {
-        let mut seen = std::collections::HashSet::new();
-        let mut stack: SmallVec<[NodeId; 16]> = roots.iter().copied().collect();
-        while let Some(n) = stack.pop() {
-            let Some(node) = self.nodes.get(n) else {
-                continue;
-            };
-            if seen.insert(n) {
-                stack.extend(node.deps.iter().copied());
+impl<J> VarState<J> {
+    /// Moves a finished last writer's outcome to `poison` and lets it go.
+    fn settle(&mut self) {
+        if self.last_writer.as_ref().is_some_and(|w| w.is_done()) {
+            let w = self.last_writer.take().expect("checked");
+            self.poison = w.error();
+        }
+    }
+}
+
+/// One Var named by a node being recorded.
+pub(crate) struct Access<'a, J> {
+    pub(crate) var: &'a VarQueue<J>,
+    pub(crate) read: bool,
+    pub(crate) write: bool,
+}
+
+/// Records a node that makes `accesses` (a Var may appear twice, as a read and
+/// as a write: the two merge) and wires it after exactly the unfinished nodes it
+/// conflicts with. `demanded`: the node counts as demanded from the start (Async
+/// and Sync modes, where every earlier node was demanded too); otherwise it waits
+/// for [`demand`].
+///
+/// Returns the node and whether it is ready now (the caller hands it out).
+pub(crate) fn record<J>(
+    meta: NodeMeta,
+    accesses: &mut SmallVec<[Access<'_, J>; 4]>,
+    job: J,
+    demanded: bool,
+) -> (NodeRef<J>, bool) {
+    // Address order, duplicates merged: every recorder locks shared Vars in the
+    // same order, so two records that share Vars are serialized, never crossed.
+    if accesses.len() > 1 {
+        accesses.sort_unstable_by_key(|a| a.var.key());
+        accesses.dedup_by(|later, kept| {
+            if later.var.key() == kept.var.key() {
+                kept.read |= later.read;
+                kept.write |= later.write;
+                true
+            } else {
+                false
+            }
+        });
+    }
+    let mut guards: SmallVec<[MutexGuard<'_, VarState<J>>; 4]> =
+        accesses.iter().map(|a| lock(&a.var.inner)).collect();
+
+    let mut deps: SmallVec<[(NodeRef<J>, bool); 4]> = SmallVec::new();
+    let mut skip: Option<SharedError> = None;
+    let add = |deps: &mut SmallVec<[(NodeRef<J>, bool); 4]>, d: &NodeRef<J>, reads: bool| {
+        match deps.iter_mut().find(|(n, _)| Arc::ptr_eq(n, d)) {
+            Some((_, r)) => *r |= reads,
+            None => deps.push((d.clone(), reads)),
+        }
+    };
+    for (a, v) in accesses.iter().zip(guards.iter_mut()) {
+        v.settle();
+        match &v.last_writer {
+            Some(w) => add(&mut deps, w, a.read),
+            None => {
+                if a.read && skip.is_none() {
+                    skip.clone_from(&v.poison);
+                }
             }
         }
-        seen
+        if a.write {
+            for r in v.readers.iter().filter(|r| !r.is_done()) {
+                add(&mut deps, r, false);
+            }
+        }
     }
-
-    /// Every live node.
-    pub(crate) fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
-        self.nodes.keys()
+    let writes = accesses
+        .iter()
+        .filter(|a| a.write)
+        .map(|a| a.var.key())
+        .collect();
+    let hold = deps.len() as u32 + RECORDING + if demanded { 0 } else { UNDEMANDED };
+    let node = Arc::new(Node {
+        meta,
+        pending: AtomicU32::new(hold),
+        demanded: AtomicBool::new(demanded),
+        done: AtomicBool::new(false),
+        failed: AtomicBool::new(false),
+        writes,
+        state: Mutex::new(State {
+            job: Some(job),
+            skip,
+            err: None,
+            deps: deps.iter().map(|(d, _)| d.clone()).collect(),
+            dependents: SmallVec::new(),
+            waiters: SmallVec::new(),
+        }),
+    });
+    for (a, v) in accesses.iter().zip(guards.iter_mut()) {
+        if a.write {
+            v.last_writer = Some(node.clone());
+            v.readers.clear();
+            v.prune_at = PRUNE_MIN;
+        } else {
+            if v.readers.len() >= v.prune_at {
+                v.readers.retain(|r| !r.is_done());
+                v.prune_at = (v.readers.len() * 2).max(PRUNE_MIN);
+            }
+            v.readers.push(node.clone());
+        }
     }
+    drop(guards);
 
-    /// The first of `nodes` that writes one of `vars`.
-    pub(crate) fn writer_among(
-        &self,
-        nodes: impl IntoIterator<Item = NodeId>,
-        vars: &[VarId],
-    ) -> Option<NodeId> {
-        nodes.into_iter().find(|&n| {
-            self.nodes
-                .get(n)
-                .is_some_and(|node| node.writes.iter().any(|w| vars.contains(w)))
-        })
+    // Join each dependency's list, or count it out if it finished meanwhile
+    // (its outcome is final then: a failed writer of an input skips the node).
+    let mut released = RECORDING;
+    for (d, reads) in deps {
+        let mut s = lock(&d.state);
+        if d.done.load(Ordering::Relaxed) {
+            if reads && d.failed.load(Ordering::Relaxed) {
+                let mut mine = lock(&node.state);
+                if mine.skip.is_none() {
+                    mine.skip.clone_from(&s.err);
+                }
+            }
+            released += 1;
+        } else {
+            s.dependents.push((node.clone(), reads));
+        }
     }
+    let ready = node.pending.fetch_sub(released, Ordering::AcqRel) == released;
+    (node, ready)
+}
 
-    pub(crate) fn analysis(&self) -> Analysis {
-        Analysis::new(
-            self.nodes
-                .iter()
-                .map(|(id, n)| (id, n.meta, n.demanded, n.deps.iter().copied().collect())),
+/// Marks `roots` and every unfinished node they wait for as demanded and hands
+/// out (through `ready`) those that are ready. Stops at nodes demanded before:
+/// a demanded node's dependencies are demanded too (by whoever demanded it),
+/// so each node is walked once over its life.
+pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(NodeRef<J>)) -> usize {
+    let mut stack: SmallVec<[NodeRef<J>; 16]> = roots.iter().cloned().collect();
+    let mut marked = 0;
+    while let Some(n) = stack.pop() {
+        if n.is_done() || n.demanded.swap(true, Ordering::AcqRel) {
+            continue;
+        }
+        marked += 1;
+        stack.extend(lock(&n.state).deps.iter().filter(|d| !d.is_done()).cloned());
+        if n.pending.fetch_sub(UNDEMANDED, Ordering::AcqRel) == UNDEMANDED {
+            ready(n);
+        }
+    }
+    marked
+}
+
+/// The blockers of a completed node, to wake once the caller has counted the
+/// node out (a blocker that returns must not see it still counted live).
+#[must_use = "the blockers must be woken"]
+pub(crate) struct Waiters(SmallVec<[Arc<Latch>; 1]>);
+
+impl Waiters {
+    pub(crate) fn wake(self) {
+        for w in self.0 {
+            w.set();
+        }
+    }
+}
+
+/// Completes a node that ran (or was skipped): stores its outcome and releases
+/// its dependents (those that become ready go to `ready`). Returns its blockers.
+pub(crate) fn complete<J>(
+    node: &NodeRef<J>,
+    outcome: Outcome,
+    ready: &mut impl FnMut(NodeRef<J>),
+) -> Waiters {
+    let err: Option<SharedError> = match outcome {
+        Outcome::Done => None,
+        Outcome::Failed(message) => Some(std::sync::Arc::new(Error::Failed {
+            op: node.meta.name.to_string(),
+            location: node.meta.location,
+            message,
+        })),
+        Outcome::Skipped(e) => Some(e),
+    };
+    let (dependents, waiters, deps) = {
+        let mut s = lock(&node.state);
+        s.err.clone_from(&err);
+        node.failed.store(err.is_some(), Ordering::Release);
+        node.done.store(true, Ordering::Release);
+        (
+            std::mem::take(&mut s.dependents),
+            std::mem::take(&mut s.waiters),
+            std::mem::take(&mut s.deps),
         )
+    };
+    drop(deps);
+    for (d, reads) in dependents {
+        if reads {
+            if let Some(e) = &err {
+                let mut s = lock(&d.state);
+                if s.skip.is_none() {
+                    s.skip = Some(e.clone());
+                }
+            }
+        }
+        if d.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            ready(d);
+        }
+    }
+    Waiters(waiters)
+}
+
+/// `roots` and every unfinished node they wait for, directly or not, by
+/// address, walking the nodes' own dependency lists.
+pub(crate) fn ancestors<J>(roots: &[NodeRef<J>]) -> std::collections::HashMap<usize, NodeRef<J>> {
+    let mut seen = std::collections::HashMap::new();
+    let mut stack: SmallVec<[NodeRef<J>; 16]> = roots.iter().cloned().collect();
+    while let Some(n) = stack.pop() {
+        if n.is_done() || seen.contains_key(&n.key()) {
+            continue;
+        }
+        stack.extend(n.deps());
+        seen.insert(n.key(), n);
+    }
+    seen
+}
+
+/// A one-shot flag a blocker waits on: set by the completion of the node it
+/// waits for. One per waiting blocker, so a completion wakes only its own.
+pub(crate) struct Latch {
+    set: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Default for Latch {
+    fn default() -> Self {
+        Latch {
+            set: Mutex::new(false),
+            cv: Condvar::new(),
+        }
+    }
+}
+
+impl Latch {
+    pub(crate) fn set(&self) {
+        *lock(&self.set) = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits until set.
+    pub(crate) fn wait(&self) {
+        let mut s = lock(&self.set);
+        while !*s {
+            s = match self.cv.wait(s) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+        }
+    }
+
+    /// Waits until set or for `timeout`; returns whether it is set.
+    #[cfg(not(loom))]
+    pub(crate) fn wait_timeout(&self, timeout: std::time::Duration) -> bool {
+        let s = lock(&self.set);
+        if *s {
+            return true;
+        }
+        match self.cv.wait_timeout(s, timeout) {
+            Ok((g, _)) => *g,
+            Err(p) => *p.into_inner().0,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(all(test, loom))]
+mod loom_tests;

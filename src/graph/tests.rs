@@ -4,133 +4,220 @@ fn meta(name: &'static str) -> NodeMeta {
     NodeMeta {
         name,
         location: Location::caller(),
-        device: crate::device::Device::Cpu,
+        lane: 0,
     }
 }
 
-fn collect(g: &mut Graph<u32>, roots: &[NodeId]) -> Vec<u32> {
+type Q = VarQueue<u32>;
+
+/// Records a Lazy node reading `reads` and writing `writes`.
+fn rec(name: &'static str, reads: &[&Q], writes: &[&Q], job: u32) -> NodeRef<u32> {
+    let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
+    acc.extend(reads.iter().map(|v| Access {
+        var: *v,
+        read: true,
+        write: false,
+    }));
+    acc.extend(writes.iter().map(|v| Access {
+        var: *v,
+        read: false,
+        write: true,
+    }));
+    let (node, ready) = record(meta(name), &mut acc, job, false);
+    assert!(!ready, "a Lazy node is not ready before it is demanded");
+    node
+}
+
+/// Demands `roots` and returns the jobs made ready, sorted.
+fn demanded(roots: &[NodeRef<u32>]) -> Vec<u32> {
     let mut out = Vec::new();
-    g.demand(roots, &mut |r| out.push(r.job));
+    demand(roots, &mut |n| out.push(n.take_job().unwrap().0));
     out.sort();
     out
 }
 
+fn finish(n: &NodeRef<u32>, outcome: Outcome) -> Vec<NodeRef<u32>> {
+    let mut ready = Vec::new();
+    complete(n, outcome, &mut |r| ready.push(r)).wake();
+    ready
+}
+
+fn jobs(ready: Vec<NodeRef<u32>>) -> Vec<u32> {
+    let mut v: Vec<u32> = ready.iter().map(|n| n.take_job().unwrap().0).collect();
+    v.sort();
+    v
+}
+
 #[test]
 fn raw_war_waw_edges() {
-    let mut g = Graph::<u32>::default();
-    let (x, y) = (g.new_var(), g.new_var());
-    let w1 = g.record(meta("w1"), &[], &[x], 1);
-    let r1 = g.record(meta("r1"), &[x], &[y], 2);
-    let r2 = g.record(meta("r2"), &[x], &[], 3);
-    let w2 = g.record(meta("w2"), &[], &[x], 4);
+    let (x, y) = (Q::default(), Q::default());
+    let w1 = rec("w1", &[], &[&x], 1);
+    let r1 = rec("r1", &[&x], &[&y], 2);
+    let r2 = rec("r2", &[&x], &[], 3);
+    let w2 = rec("w2", &[], &[&x], 4);
     // Demanding w2 demands everything it must wait for: w1 (WAW), r1 and r2 (WAR).
-    assert_eq!(collect(&mut g, &[w2]), vec![1]);
-    let mut ready = Vec::new();
-    g.complete(w1, Outcome::Done, &mut |r| ready.push(r.job));
-    ready.sort();
-    assert_eq!(ready, vec![2, 3]);
-    ready.clear();
-    g.complete(r1, Outcome::Done, &mut |r| ready.push(r.job));
-    assert!(ready.is_empty(), "w2 still waits for r2");
-    g.complete(r2, Outcome::Done, &mut |r| ready.push(r.job));
-    assert_eq!(ready, vec![4]);
-    g.complete(w2, Outcome::Done, &mut |_| {});
-    assert_eq!(g.live_nodes(), 0);
+    assert_eq!(demanded(&[w2.clone()]), vec![1]);
+    assert_eq!(jobs(finish(&w1, Outcome::Done)), vec![2, 3]);
+    assert!(finish(&r1, Outcome::Done).is_empty(), "w2 still waits for r2");
+    assert_eq!(jobs(finish(&r2, Outcome::Done)), vec![4]);
+    assert!(finish(&w2, Outcome::Done).is_empty());
+    assert!(x.writer().is_none() && x.accessors().is_empty());
 }
 
 #[test]
 fn targeted_demand_leaves_unrelated_nodes() {
-    let mut g = Graph::<u32>::default();
-    let (x, y) = (g.new_var(), g.new_var());
-    let a = g.record(meta("a"), &[], &[x], 1);
-    let _b = g.record(meta("b"), &[], &[y], 2);
-    assert_eq!(collect(&mut g, &[a]), vec![1]);
+    let (x, y) = (Q::default(), Q::default());
+    let a = rec("a", &[], &[&x], 1);
+    let b = rec("b", &[], &[&y], 2);
+    assert_eq!(demanded(&[a.clone()]), vec![1]);
     // Demanding again hands out nothing new.
-    assert!(collect(&mut g, &[a]).is_empty());
-    let mut all = Vec::new();
-    g.demand_all(&mut |r| all.push(r.job));
-    assert_eq!(all, vec![2]);
+    assert!(demanded(&[a]).is_empty());
+    assert!(!b.is_demanded());
+    assert_eq!(demanded(&[b]), vec![2]);
+}
+
+#[test]
+fn a_node_demanded_at_record_is_ready_at_once() {
+    let x = Q::default();
+    let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
+    acc.push(Access {
+        var: &x,
+        read: true,
+        write: true,
+    });
+    let (a, ready) = record(meta("a"), &mut acc, 1, true);
+    assert!(ready);
+    let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
+    acc.push(Access {
+        var: &x,
+        read: true,
+        write: false,
+    });
+    let (b, ready) = record(meta("b"), &mut acc, 2, true);
+    assert!(!ready, "b reads what a writes");
+    assert_eq!(finish(&a, Outcome::Done).len(), 1);
+    assert!(finish(&b, Outcome::Done).is_empty());
 }
 
 #[test]
 fn failure_skips_readers_and_poisons_outputs() {
-    let mut g = Graph::<u32>::default();
-    let (x, y, z) = (g.new_var(), g.new_var(), g.new_var());
-    let a = g.record(meta("a"), &[], &[x], 1);
-    let b = g.record(meta("b"), &[x], &[y], 2);
-    let c = g.record(meta("c"), &[], &[z], 3);
-    g.demand_all(&mut |_| {});
-    let mut ready = Vec::new();
-    let (_, err) = g.complete(a, Outcome::Failed("boom".into()), &mut |r| ready.push(r));
-    assert!(err.is_some());
+    let (x, y, z) = (Q::default(), Q::default(), Q::default());
+    let a = rec("a", &[], &[&x], 1);
+    let b = rec("b", &[&x], &[&y], 2);
+    let c = rec("c", &[], &[&z], 3);
+    demanded(&[a.clone(), b.clone(), c.clone()]);
+    let ready = finish(&a, Outcome::Failed("boom".into()));
+    assert!(a.error().is_some());
     assert_eq!(ready.len(), 1);
-    let skip = ready[0]
-        .skip
-        .clone()
-        .expect("reader of a failed write is skipped");
+    let (_, skip) = ready[0].take_job().unwrap();
+    let skip = skip.expect("reader of a failed write is skipped");
     assert!(skip.to_string().contains("boom") && skip.to_string().contains('a'));
-    g.complete(b, Outcome::Skipped(skip), &mut |_| {});
-    g.complete(c, Outcome::Done, &mut |_| {});
-    assert!(g.poison_of(x).is_some());
-    assert!(g.poison_of(y).is_some());
-    assert!(g.poison_of(z).is_none());
+    finish(&b, Outcome::Skipped(skip));
+    finish(&c, Outcome::Done);
+    assert!(x.poison().is_some());
+    assert!(y.poison().is_some());
+    assert!(z.poison().is_none());
     // A later read of the poisoned Var is skipped at record time.
-    let d = g.record(meta("d"), &[y], &[], 4);
+    let d = rec("d", &[&y], &[], 4);
     let mut ready = Vec::new();
-    g.demand(&[d], &mut |r| ready.push(r));
-    assert!(ready[0].skip.is_some());
+    demand(&[d.clone()], &mut |r| ready.push(r));
+    let (_, skip) = ready[0].take_job().unwrap();
+    assert!(skip.is_some());
+    finish(&d, Outcome::Skipped(skip.unwrap()));
     // A later plain write clears the poison once it succeeds.
-    g.complete(
-        d,
-        Outcome::Skipped(ready.pop().unwrap().skip.unwrap()),
-        &mut |_| {},
-    );
-    let e = g.record(meta("e"), &[], &[y], 5);
-    g.demand(&[e], &mut |_| {});
-    g.complete(e, Outcome::Done, &mut |_| {});
-    assert!(g.poison_of(y).is_none());
+    let e = rec("e", &[], &[&y], 5);
+    demanded(&[e.clone()]);
+    finish(&e, Outcome::Done);
+    assert!(y.poison().is_none());
+}
+
+#[test]
+fn a_writer_that_fails_before_its_reader_joins_still_skips_it() {
+    // The reader is recorded after the writer finished: the skip comes from the
+    // Var's queue, not from the writer's dependent list.
+    let x = Q::default();
+    let a = rec("a", &[], &[&x], 1);
+    demanded(&[a.clone()]);
+    finish(&a, Outcome::Failed("early".into()));
+    let b = rec("b", &[&x], &[], 2);
+    let mut ready = Vec::new();
+    demand(&[b], &mut |r| ready.push(r));
+    assert!(ready[0].take_job().unwrap().1.is_some());
+}
+
+#[test]
+fn poisoned_from_the_start() {
+    let err: SharedError = std::sync::Arc::new(Error::Config("bad".into()));
+    let x = Q::new(Some(err));
+    assert!(x.poison().is_some());
+    let r = rec("r", &[&x], &[], 1);
+    let mut ready = Vec::new();
+    demand(&[r], &mut |n| ready.push(n));
+    assert!(ready[0].take_job().unwrap().1.is_some());
 }
 
 #[test]
 fn readers_are_pruned() {
-    let mut g = Graph::<u32>::default();
-    let x = g.new_var();
+    let x = Q::default();
     for i in 0..1000 {
-        let r = g.record(meta("r"), &[x], &[], i);
-        g.demand(&[r], &mut |_| {});
-        g.complete(r, Outcome::Done, &mut |_| {});
+        let r = rec("r", &[&x], &[], i);
+        demanded(&[r.clone()]);
+        finish(&r, Outcome::Done);
     }
-    assert!(g.vars[x].readers.len() <= 2 * PRUNE_MIN);
-    assert_eq!(g.live_nodes(), 0);
+    assert!(lock(&x.inner).readers.len() <= 2 * PRUNE_MIN);
+}
+
+#[test]
+fn a_var_read_and_written_is_one_access() {
+    let x = Q::default();
+    let a = rec("a", &[&x], &[&x], 1);
+    let b = rec("b", &[&x], &[&x], 2);
+    assert_eq!(demanded(&[b.clone()]), vec![1]);
+    assert_eq!(jobs(finish(&a, Outcome::Done)), vec![2]);
+    finish(&b, Outcome::Done);
 }
 
 #[test]
 fn dot_export_shows_nodes_and_edges() {
-    let mut g = Graph::<u32>::default();
-    let (x, y) = (g.new_var(), g.new_var());
-    g.record(meta("first"), &[], &[x], 1);
-    g.record(meta("second"), &[x], &[y], 2);
-    g.record(meta("other"), &[], &[], 3);
-    let dot = g.analysis().to_dot();
-    assert!(dot.contains("first") && dot.contains("other"));
+    let (x, y) = (Q::default(), Q::default());
+    let first = rec("first", &[], &[&x], 1);
+    let second = rec("second", &[&x], &[&y], 2);
+    let other = rec("other", &[], &[], 3);
+    let dot = to_dot(&[second, other, first], |lane| format!("lane{lane}"));
+    assert!(dot.contains("first") && dot.contains("other") && dot.contains("lane0"));
     assert_eq!(dot.matches("->").count(), 1);
 }
 
 #[test]
 fn ancestors_walk_the_dependency_lists() {
-    let mut g = Graph::<u32>::default();
-    let (x, y, z) = (g.new_var(), g.new_var(), g.new_var());
-    let a = g.record(meta("a"), &[], &[x], 1);
-    let b = g.record(meta("b"), &[x], &[y], 2);
-    let c = g.record(meta("c"), &[], &[z], 3);
-    let d = g.record(meta("d"), &[y], &[], 4);
-    let an = g.ancestors(&[d]);
-    assert_eq!(an, [a, b, d].into_iter().collect());
-    assert!(!an.contains(&c));
-    assert_eq!(g.writer_among(an.iter().copied(), &[x]), Some(a));
-    assert_eq!(g.writer_among(an.iter().copied(), &[z]), None);
+    let (x, y, z) = (Q::default(), Q::default(), Q::default());
+    let a = rec("a", &[], &[&x], 1);
+    let b = rec("b", &[&x], &[&y], 2);
+    let c = rec("c", &[], &[&z], 3);
+    let d = rec("d", &[&y], &[], 4);
+    let an = ancestors(&[d.clone()]);
+    let keys = |v: &[&NodeRef<u32>]| v.iter().map(|n| n.key()).collect::<std::collections::HashSet<_>>();
+    assert_eq!(an.keys().copied().collect::<std::collections::HashSet<_>>(), keys(&[&a, &b, &d]));
+    assert!(!an.contains_key(&c.key()));
+    assert!(an.values().any(|n| n.writes(x.key())));
+    assert!(!an.values().any(|n| n.writes(z.key())));
     // Finished nodes leave the walk.
-    g.demand(&[a], &mut |_| {});
-    g.complete(a, Outcome::Done, &mut |_| {});
-    assert_eq!(g.ancestors(&[d]), [b, d].into_iter().collect());
+    demanded(&[a.clone()]);
+    finish(&a, Outcome::Done);
+    assert_eq!(
+        ancestors(&[d.clone()]).keys().copied().collect::<std::collections::HashSet<_>>(),
+        keys(&[&b, &d])
+    );
+}
+
+#[test]
+fn a_waiter_is_woken_by_the_completion() {
+    let x = Q::default();
+    let a = rec("a", &[], &[&x], 1);
+    let latch = Arc::new(Latch::default());
+    assert!(a.add_waiter(&latch));
+    demanded(&[a.clone()]);
+    finish(&a, Outcome::Done);
+    latch.wait();
+    assert!(!a.add_waiter(&latch), "a finished node takes no waiters");
 }

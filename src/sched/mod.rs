@@ -1,157 +1,282 @@
-//! The worker pool: threads that take ready nodes from crossbeam-deque queues and
-//! run them, then release their dependents. See `README.md` beside this file for
-//! the sleep/wake protocol and for how blockers inside tasks help instead of
-//! deadlocking.
+//! The worker pool: threads that take jobs from crossbeam-deque queues and hand
+//! them to their [`Host`]. The pool knows nothing of nodes, Vars or engines; a
+//! host runs a job and returns the next one to run on the same thread. See
+//! `README.md` beside this file for the sleep/wake protocol.
 //!
-//! Queues: one global `Injector` (fed by the frontend: flushes, Async/Sync records)
-//! and one LIFO `Worker` deque per thread (fed by completions), whose `Stealer`s the
-//! other threads raid when idle. A completion keeps the first dependent it makes
-//! ready in a local "next" slot and runs it at once without touching any queue, so a
-//! chain runs on one thread without wake-ups.
+//! Queues: one global `Injector` (fed by threads outside the pool: the frontend's
+//! flushes and records) and one LIFO `Worker` deque per thread (fed by jobs the
+//! thread made ready), whose `Stealer`s the other threads raid when idle. The job
+//! a host returns from [`Host::run`] is run at once without touching any queue, so
+//! a chain runs on one thread without wake-ups.
+//!
+//! State is grouped by who touches it: `injector`, `stealers`, `sleep` and
+//! `shutdown` are reachable from every thread; `threads` (the worker threads and
+//! their parked deques) sits behind a small lock taken only to start, retire or
+//! join workers.
 
 pub(crate) mod sleep;
 
-use crate::engine::Shared;
-use crate::error::{Location, SharedError};
-use crate::graph::{NodeId, Outcome, Ready, VarId};
-use crate::sync::{Arc, Ordering};
-use crossbeam_deque::{Steal, Worker};
-use smallvec::SmallVec;
+use crate::sync::{lock, AtomicBool, Ordering};
+use crossbeam_deque::{Injector, Steal, Stealer, Worker};
+use sleep::Sleep;
+use std::any::Any;
 use std::cell::RefCell;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
-/// What a node does when it runs, plus where to report how it ended.
-pub(crate) struct Task {
-    pub(crate) run: Box<dyn FnOnce() -> Result<(), String> + Send>,
-    pub(crate) status: Option<Arc<crate::task::TaskStatus>>,
-    /// The op's name and where it was recorded, for what it writes (GPU
-    /// buffers name their writer in later errors).
-    pub(crate) op: (&'static str, Location),
+/// What the pool runs its jobs for.
+pub(crate) trait Host: Send + Sync + 'static {
+    /// One unit of work.
+    type Job: Send + 'static;
+    /// The pool this host's jobs run on.
+    fn pool(&self) -> &Pool<Self::Job>;
+    /// Runs `job` to its end, publishing what it makes ready, and returns one job
+    /// for the same thread to run next.
+    fn run(&self, job: Self::Job) -> Option<Self::Job>;
+    /// Whether an idle worker may exit after [`Pool::set_shutdown`]: asked under
+    /// the pool's thread lock, with the queues found empty.
+    fn may_exit(&self) -> bool;
 }
 
-/// A ready node on its way to a worker.
-pub(crate) type Work = Ready<Task>;
+struct Threads<J> {
+    /// Worker threads running.
+    alive: usize,
+    /// The deques of workers that exited, for the ones started again (their
+    /// stealers stay in `Pool::stealers`).
+    idle: Vec<Worker<J>>,
+    handles: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// A fixed set of worker threads over work-stealing queues.
+pub(crate) struct Pool<J> {
+    /// Identifies the pool's worker threads (see [`Pool::is_worker`]).
+    id: u64,
+    size: usize,
+    injector: Injector<J>,
+    stealers: Vec<Stealer<J>>,
+    sleep: Sleep,
+    /// Set (Release) by the host when its workers may exit once idle; read
+    /// (Acquire) in the worker loop.
+    shutdown: AtomicBool,
+    threads: Mutex<Threads<J>>,
+    /// Signalled when a worker exits.
+    exited: Condvar,
+}
 
 struct WorkerCtx {
-    engine: u64,
-    local: Worker<Work>,
+    pool: u64,
+    /// This thread's `Worker<J>` deque, type-erased (the thread-local cannot be
+    /// generic).
+    local: Box<dyn Any>,
 }
 
 thread_local! {
     /// Set on worker threads for their whole life.
     static WORKER: RefCell<Option<WorkerCtx>> = const { RefCell::new(None) };
-    /// The op of the innermost task running on this thread.
-    static CURRENT_OP: std::cell::Cell<Option<(&'static str, Location)>> = const { std::cell::Cell::new(None) };
-    /// The nodes this thread is running, innermost last: a blocker inside a task
-    /// runs other tasks while it waits, so several can be suspended on one stack
-    /// (for deadlock checks in blockers).
-    static RUNNING: RefCell<Vec<NodeId>> = const { RefCell::new(Vec::new()) };
-    /// Vars this thread reads inside [`crate::Var::with`], with their engine:
-    /// a wait for a write to one of them could never end.
-    static BORROWED: RefCell<Vec<(u64, VarId)>> = const { RefCell::new(Vec::new()) };
-    /// A node this worker ran, until it is completed (see [`run_chain`]).
-    static PENDING: RefCell<Vec<Finished>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Marks a Var as read by this thread until the guard is dropped.
-pub(crate) struct Borrow;
+static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-impl Borrow {
-    pub(crate) fn new(engine: u64, var: VarId) -> Borrow {
-        BORROWED.with(|b| b.borrow_mut().push((engine, var)));
-        Borrow
-    }
-}
-
-impl Drop for Borrow {
-    fn drop(&mut self) {
-        BORROWED.with(|b| b.borrow_mut().pop());
-    }
-}
-
-/// The Vars of `engine` this thread is reading inside `Var::with`.
-pub(crate) fn borrowed_vars(engine: u64) -> SmallVec<[VarId; 2]> {
-    BORROWED.with(|b| {
-        b.borrow()
-            .iter()
-            .filter(|(e, _)| *e == engine)
-            .map(|(_, v)| *v)
-            .collect()
-    })
-}
-
-/// Whether the calling thread is a worker of any engine (where a drop must not
+/// Whether the calling thread is a worker of any pool (where a drop must not
 /// block).
 pub(crate) fn on_any_worker() -> bool {
     WORKER.with(|w| w.borrow().is_some())
 }
 
-/// Whether the calling thread is one of `engine`'s workers.
-#[inline]
-pub(crate) fn on_worker_of(engine: u64) -> bool {
-    WORKER.with(|w| matches!(&*w.borrow(), Some(c) if c.engine == engine))
-}
-
-/// The name and record site of the op running on this thread, if any.
-pub(crate) fn current_op() -> Option<(&'static str, Location)> {
-    CURRENT_OP.with(|c| c.get())
-}
-
-/// The node the calling thread is running, if it is inside a task.
-pub(crate) fn current_node() -> Option<NodeId> {
-    RUNNING.with(|r| r.borrow().last().copied())
-}
-
-/// Every node suspended or running on this thread, innermost last.
-pub(crate) fn running_nodes() -> Vec<NodeId> {
-    RUNNING.with(|r| r.borrow().clone())
-}
-
-/// Publishes ready work from any thread: onto this worker's own deque when called
-/// on a worker of the same engine, onto the global injector otherwise.
-pub(crate) fn publish(shared: &Shared, work: Work) {
-    let work = WORKER.with(|w| match &*w.borrow() {
-        Some(c) if c.engine == shared.id => {
-            c.local.push(work);
-            None
+impl<J: Send + 'static> Pool<J> {
+    /// A pool of `size` workers, none started yet (see [`Pool::start`]).
+    pub(crate) fn new(size: usize) -> Self {
+        let idle: Vec<Worker<J>> = (0..size).map(|_| Worker::new_lifo()).collect();
+        let stealers = idle.iter().map(|l| l.stealer()).collect();
+        Pool {
+            id: NEXT_POOL_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            size,
+            injector: Injector::new(),
+            stealers,
+            sleep: Sleep::new(),
+            shutdown: AtomicBool::new(false),
+            threads: Mutex::new(Threads {
+                alive: 0,
+                idle,
+                handles: Vec::new(),
+            }),
+            exited: Condvar::new(),
         }
-        _ => Some(work),
-    });
-    if let Some(work) = work {
-        shared.injector.push(work);
+    }
+
+    /// Starts workers until `size` run; returns how many run.
+    pub(crate) fn start<H: Host<Job = J>>(&self, host: &Arc<H>, name: &str) -> usize {
+        let mut t = lock(&self.threads);
+        while t.alive < self.size {
+            let Some(local) = t.idle.pop() else {
+                break;
+            };
+            let host = host.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("{name}-{}", t.alive))
+                .spawn(move || worker_main(host, local));
+            match spawned {
+                Ok(handle) => {
+                    t.alive += 1;
+                    t.handles.push(handle);
+                }
+                Err(e) => {
+                    eprintln!("lazyflow: could not start a worker thread: {e}");
+                    break;
+                }
+            }
+        }
+        t.alive
+    }
+
+    /// Whether the calling thread is one of this pool's workers.
+    #[inline]
+    pub(crate) fn is_worker(&self) -> bool {
+        WORKER.with(|w| matches!(&*w.borrow(), Some(c) if c.pool == self.id))
+    }
+
+    /// Queues a job from any thread: onto this worker's own deque when called on
+    /// one of the pool's workers, onto the injector otherwise. The caller wakes
+    /// sleepers with [`Pool::wake`] once it has published what it has.
+    #[inline]
+    pub(crate) fn publish(&self, job: J) {
+        let job = WORKER.with(|w| match &*w.borrow() {
+            Some(c) if c.pool == self.id => {
+                let local = c.local.downcast_ref::<Worker<J>>().expect("the pool's deque");
+                local.push(job);
+                None
+            }
+            _ => Some(job),
+        });
+        if let Some(job) = job {
+            self.injector.push(job);
+        }
+    }
+
+    /// Queues a job on the injector, for any worker (work a helping blocker does
+    /// not need).
+    pub(crate) fn publish_global(&self, job: J) {
+        self.injector.push(job);
+    }
+
+    /// Wakes up to `n` parked workers after `n` jobs were published.
+    #[inline]
+    pub(crate) fn wake(&self, n: usize) {
+        self.sleep.wake(n);
+    }
+
+    /// Takes one job: own deque first, then the injector, then the others.
+    pub(crate) fn find_work(&self) -> Option<J> {
+        WORKER.with(|w| {
+            let ctx = w.borrow();
+            let local = ctx
+                .as_ref()
+                .filter(|c| c.pool == self.id)
+                .and_then(|c| c.local.downcast_ref::<Worker<J>>());
+            if let Some(job) = local.and_then(|l| l.pop()) {
+                return Some(job);
+            }
+            loop {
+                let mut retry = false;
+                let stolen = match local {
+                    Some(l) => self.injector.steal_batch_and_pop(l),
+                    None => self.injector.steal(),
+                };
+                match stolen {
+                    Steal::Success(j) => return Some(j),
+                    Steal::Retry => retry = true,
+                    Steal::Empty => {}
+                }
+                for s in self.stealers.iter() {
+                    match s.steal() {
+                        Steal::Success(j) => return Some(j),
+                        Steal::Retry => retry = true,
+                        Steal::Empty => {}
+                    }
+                }
+                if !retry {
+                    return None;
+                }
+            }
+        })
+    }
+
+    /// Whether any queue holds work.
+    pub(crate) fn has_queued_work(&self) -> bool {
+        !self.injector.is_empty() || self.stealers.iter().any(|s| !s.is_empty())
+    }
+
+    /// Lets idle workers exit (when the host agrees) or keeps them.
+    pub(crate) fn set_shutdown(&self, on: bool) {
+        self.shutdown.store(on, Ordering::Release);
+        if on {
+            self.sleep.wake_all();
+        }
+    }
+
+    /// Waits (until `deadline`) for every worker to exit while `still` holds,
+    /// then joins them. Gives up without joining when `still` stops holding (the
+    /// host wants its workers again) or the deadline passes.
+    pub(crate) fn join_exited(&self, deadline: Instant, still: impl Fn() -> bool) {
+        let mut t = lock(&self.threads);
+        while still() && t.alive > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                return;
+            }
+            let wait = (deadline - now).min(Duration::from_millis(50));
+            t = match self.exited.wait_timeout(t, wait) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        if !still() {
+            return;
+        }
+        let handles = std::mem::take(&mut t.handles);
+        drop(t);
+        for h in handles {
+            let _ = h.join();
+        }
+    }
+
+    /// An idle worker after shutdown: exits (parking its deque) if the host
+    /// agrees and nothing is queued.
+    fn try_exit<H: Host<Job = J>>(&self, host: &H) -> bool {
+        let mut t = lock(&self.threads);
+        if !self.shutdown.load(Ordering::Acquire) || !host.may_exit() || self.has_queued_work() {
+            return false;
+        }
+        let local = WORKER.with(|w| w.borrow_mut().take());
+        if let Some(l) = local.and_then(|c| c.local.downcast::<Worker<J>>().ok()) {
+            t.idle.push(*l);
+        }
+        t.alive -= 1;
+        self.exited.notify_all();
+        true
     }
 }
 
 /// The body of a worker thread.
-pub(crate) fn worker_main(shared: std::sync::Arc<Shared>, local: Worker<Work>) {
+fn worker_main<H: Host>(host: Arc<H>, local: Worker<H::Job>) {
+    let pool = host.pool();
     WORKER.with(|w| {
         *w.borrow_mut() = Some(WorkerCtx {
-            engine: shared.id,
-            local,
+            pool: pool.id,
+            local: Box::new(local),
         })
     });
     let mut idle_rounds = 0u32;
     loop {
-        if let Some(work) = find_work(&shared) {
+        if let Some(mut job) = pool.find_work() {
             idle_rounds = 0;
-            run_chain(&shared, work);
+            while let Some(next) = host.run(job) {
+                job = next;
+            }
             continue;
         }
-        if shared.shutdown.load(Ordering::Acquire) {
-            // The engine is retiring and was drained: exit, unless work came in.
-            let mut local = WORKER.with(|w| w.borrow_mut().take().map(|c| c.local));
-            if shared.retire_worker(&mut local) {
-                return;
-            }
-            if let Some(local) = local {
-                WORKER.with(|w| {
-                    *w.borrow_mut() = Some(WorkerCtx {
-                        engine: shared.id,
-                        local,
-                    })
-                });
-            }
-            continue;
+        if pool.shutdown.load(Ordering::Acquire) && pool.try_exit(&*host) {
+            return;
         }
         // Spin briefly before parking: a frontend recording one node at a time
         // (Async mode) hands out work every few hundred nanoseconds, and a futex
@@ -165,152 +290,8 @@ pub(crate) fn worker_main(shared: std::sync::Arc<Shared>, local: Worker<Work>) {
             std::thread::yield_now();
             continue;
         }
-        shared
-            .sleep
-            .sleep(|| shared.has_queued_work() || shared.shutdown.load(Ordering::Acquire));
+        pool.sleep
+            .sleep(|| pool.has_queued_work() || pool.shutdown.load(Ordering::Acquire));
         idle_rounds = 0;
-    }
-}
-
-/// Takes one piece of work: own deque first, then the injector, then the others.
-pub(crate) fn find_work(shared: &Shared) -> Option<Work> {
-    WORKER.with(|w| {
-        let ctx = w.borrow();
-        let local = ctx
-            .as_ref()
-            .filter(|c| c.engine == shared.id)
-            .map(|c| &c.local);
-        if let Some(work) = local.and_then(|l| l.pop()) {
-            return Some(work);
-        }
-        loop {
-            let mut retry = false;
-            let stolen = match local {
-                Some(l) => shared.injector.steal_batch_and_pop(l),
-                None => shared.injector.steal(),
-            };
-            match stolen {
-                Steal::Success(w) => return Some(w),
-                Steal::Retry => retry = true,
-                Steal::Empty => {}
-            }
-            for s in shared.stealers.iter() {
-                match s.steal() {
-                    Steal::Success(w) => return Some(w),
-                    Steal::Retry => retry = true,
-                    Steal::Empty => {}
-                }
-            }
-            if !retry {
-                return None;
-            }
-        }
-    })
-}
-
-/// A node that ran, waiting to be completed.
-pub(crate) type Finished = (NodeId, Outcome, Option<Arc<crate::task::TaskStatus>>);
-
-/// Runs `work` and completes it, and then the first dependent it releases, with
-/// no queue in between, so a chain stays on one thread.
-///
-/// A finished node is completed before the worker starts anything else, waiting
-/// for the engine lock if another thread holds it. Completions used to be
-/// deferred while the lock was busy and batched with the next tasks from the
-/// worker's deque; that held a finished node back for as long as an unrelated
-/// long task ran after it, so a blocker on the node waited for that task (and
-/// deadlocked if the task waited for the blocker's caller).
-pub(crate) fn run_chain(shared: &Shared, mut work: Work) {
-    loop {
-        let node = work.node;
-        let (outcome, status) = execute(work);
-        PENDING.with(|p| p.borrow_mut().push((node, outcome, status)));
-        match complete_pending(shared) {
-            Some(next) => work = next,
-            None => return,
-        }
-    }
-}
-
-/// Runs `work` and completes it at once, then the dependents it releases for as
-/// long as `allowed` accepts them (the rest go to the queues). Used by blockers
-/// inside tasks, which must only run what they wait for.
-pub(crate) fn run_completing(shared: &Shared, mut work: Work, allowed: impl Fn(NodeId) -> bool) {
-    loop {
-        let node = work.node;
-        let (outcome, status) = execute(work);
-        let mut one = vec![(node, outcome, status)];
-        match shared.complete(&mut one) {
-            Some(next) if allowed(next.node) => work = next,
-            Some(next) => {
-                publish(shared, next);
-                shared.sleep.wake(1);
-                return;
-            }
-            None => return,
-        }
-    }
-}
-
-/// Completes the nodes this thread has finished but not yet completed. Called
-/// when a batch closes, and by a blocker inside a task before it waits (the value
-/// it waits for may have been produced by a node in this very batch).
-pub(crate) fn complete_pending(shared: &Shared) -> Option<Work> {
-    let mut batch = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
-    if batch.is_empty() {
-        return None;
-    }
-    let next = shared.complete(&mut batch);
-    // Give the (now empty) buffer back, keeping its allocation.
-    PENDING.with(|p| {
-        let mut p = p.borrow_mut();
-        if p.is_empty() {
-            *p = batch;
-        }
-    });
-    next
-}
-
-fn execute(work: Work) -> (Outcome, Option<Arc<crate::task::TaskStatus>>) {
-    let Ready { node, job, skip } = work;
-    let Task { run, status, op } = job;
-    if let Some(err) = skip {
-        // The closure's captures are dropped without running it; a panicking
-        // Drop must not take the worker down with it.
-        let _ = catch_unwind(AssertUnwindSafe(move || drop(run)));
-        return (Outcome::Skipped(err), status);
-    }
-    RUNNING.with(|r| r.borrow_mut().push(node));
-    let outer = CURRENT_OP.with(|c| c.replace(Some(op)));
-    let result = catch_unwind(AssertUnwindSafe(run));
-    CURRENT_OP.with(|c| c.set(outer));
-    RUNNING.with(|r| r.borrow_mut().pop());
-    let outcome = match result {
-        Ok(Ok(())) => Outcome::Done,
-        Ok(Err(message)) => Outcome::Failed(message),
-        Err(payload) => {
-            let message = panic_message(payload.as_ref());
-            // Dropping a panic payload can itself panic; never let that escape.
-            let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
-            Outcome::Failed(message)
-        }
-    };
-    (outcome, status)
-}
-
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        format!("panicked: {s}")
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        format!("panicked: {s}")
-    } else {
-        "panicked".to_string()
-    }
-}
-
-/// Reports a finished node's status to its handle, if it has one.
-pub(crate) fn report(status: Option<Arc<crate::task::TaskStatus>>, err: Option<SharedError>) {
-    if let Some(s) = status {
-        s.finish(err);
     }
 }
