@@ -138,6 +138,61 @@ fn dynamic_chain(e: &Engine, n: usize) {
     e.wait_all().unwrap();
 }
 
+/// 100 Vars; each task writes one of them and reads 2 to 19 others chosen in
+/// advance (about 20 declared accesses per task with the write).
+fn many_reads_inputs(tasks: usize) -> (Vec<(usize, Vec<usize>)>, usize) {
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut accesses = 0;
+    let plan = (0..tasks)
+        .map(|_| {
+            let w = rng.random_range(0..100usize);
+            let k = rng.random_range(2..=19usize);
+            let mut reads = Vec::with_capacity(k);
+            while reads.len() < k {
+                let r = rng.random_range(0..100usize);
+                if r != w && !reads.contains(&r) {
+                    reads.push(r);
+                }
+            }
+            accesses += 1 + k;
+            (w, reads)
+        })
+        .collect();
+    (plan, accesses)
+}
+
+fn many_reads(e: &Engine, vars: &[Var<u64>], plan: &[(usize, Vec<usize>)]) {
+    for (w, reads) in plan {
+        let mut t = e.task("many_reads");
+        let rs: Vec<_> = reads.iter().map(|&i| t.read(&vars[i])).collect();
+        let w = t.write(&vars[*w]);
+        t.push(move || {
+            let s: u64 = rs.iter().map(|r| *r.read()).sum();
+            *w.write() = s % 1_000_003 + 1;
+        })
+        .unwrap();
+    }
+    e.wait_all().unwrap();
+}
+
+/// `threads` frontends, each recording an independent chain of `per_thread`
+/// nodes into the same engine, at the same time.
+fn frontends(e: &Engine, threads: usize, per_thread: usize) {
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let x = e.var(());
+                for _ in 0..per_thread {
+                    let mut t = e.task("frontend");
+                    let w = t.write(&x);
+                    t.push(move || drop(w)).unwrap();
+                }
+            });
+        }
+    });
+    e.wait_all().unwrap();
+}
+
 fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("scheduler");
     g.sample_size(10)
@@ -163,6 +218,21 @@ fn bench(c: &mut Criterion) {
     g.bench_function("dynamic_chain", |b| {
         b.iter(|| dynamic_chain(&asynchronous, 100_000))
     });
+
+    // Declared accesses per second (the goal is stated per access).
+    let (plan, accesses) = many_reads_inputs(100_000);
+    let vars: Vec<Var<u64>> = (0..100).map(|_| lazy.var(0u64)).collect();
+    g.throughput(Throughput::Elements(accesses as u64));
+    g.bench_function("many_reads", |b| b.iter(|| many_reads(&lazy, &vars, &plan)));
+
+    let asynchronous_frontends = engine(Mode::Async);
+    for threads in [1, 2, 4] {
+        let per_thread = 400_000 / threads;
+        g.throughput(Throughput::Elements((per_thread * threads) as u64));
+        g.bench_function(format!("frontends_{threads}"), |b| {
+            b.iter(|| frontends(&asynchronous_frontends, threads, per_thread))
+        });
+    }
 
     // Recording only: the nodes pile up unrun (backpressure off) and are run
     // outside the timed region.
@@ -236,6 +306,20 @@ fn bench(c: &mut Criterion) {
             })
         })
     });
+    // The same many_reads work as a plain loop on one thread, per declared access.
+    let (plan, accesses) = many_reads_inputs(100_000);
+    g.throughput(Throughput::Elements(accesses as u64));
+    g.bench_function("many_reads_sequential", |b| {
+        b.iter(|| {
+            let mut vals = vec![0u64; 100];
+            for (w, reads) in &plan {
+                let s: u64 = reads.iter().map(|&i| vals[i]).sum();
+                vals[*w] = s % 1_000_003 + 1;
+            }
+            std::hint::black_box(vals)
+        })
+    });
+    g.throughput(Throughput::Elements(N as u64));
     g.bench_function("rayon_join_tree", |b| {
         fn split(n: usize) {
             if n > 1 {

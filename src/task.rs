@@ -119,7 +119,11 @@ impl<'e> TaskBuilder<'e> {
             self.mismatch = true;
         }
         let key = var.queue().key();
-        match self.vars.iter_mut().find(|(v, _, _)| v.queue().key() == key) {
+        match self
+            .vars
+            .iter_mut()
+            .find(|(v, _, _)| v.queue().key() == key)
+        {
             Some((_, r, w)) => {
                 *r |= read;
                 *w |= write;

@@ -287,9 +287,7 @@ impl Engine {
     }
 
     fn var_with_queue<T>(&self, queue: VarQueue, value: T) -> Var<T> {
-        self.counters()
-            .tracked_vars
-            .fetch_add(1, Ordering::Relaxed);
+        self.counters().tracked_vars.fetch_add(1, Ordering::Relaxed);
         Var {
             inner: Arc::new(VarHandle {
                 queue,
@@ -447,4 +445,3 @@ impl<T: std::fmt::Debug> std::fmt::Debug for Var<T> {
             .finish_non_exhaustive()
     }
 }
-

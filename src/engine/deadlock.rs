@@ -175,5 +175,9 @@ fn waits_cycle(waits: &Waits, needed: &Needed, running: &[RunningOp]) -> Option<
             break;
         }
     }
-    running.iter().rev().copied().find(|o| needed.contains(&o.key))
+    running
+        .iter()
+        .rev()
+        .copied()
+        .find(|o| needed.contains(&o.key))
 }

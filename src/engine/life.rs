@@ -65,9 +65,10 @@ impl Shared {
             // Wait (a little) for the workers to exit and join them, so that
             // they are gone when the drop returns; give up if the engine is
             // revived meanwhile or a worker is still busy.
-            self.pool.join_exited(Instant::now() + Duration::from_secs(2), || {
-                self.retiring.load(Ordering::SeqCst)
-            });
+            self.pool
+                .join_exited(Instant::now() + Duration::from_secs(2), || {
+                    self.retiring.load(Ordering::SeqCst)
+                });
         }
     }
 

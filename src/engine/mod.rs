@@ -20,9 +20,9 @@ mod stats;
 pub use builder::{
     EngineBuilder, Mode, DEFAULT_GPU_TIMEOUT, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK,
 };
-pub use stats::Stats;
 pub(crate) use deadlock::Borrow;
 pub(crate) use stats::Counters;
+pub use stats::Stats;
 
 use crate::device::{gpu::Gpu, Device, GpuInfo};
 use crate::error::{Error, Location, Result, Running, RunningOp};
@@ -679,7 +679,7 @@ impl Shared {
             None => {
                 // One latch per target: each completion wakes only this thread.
                 for t in &targets {
-                    let latch = std::sync::Arc::new(Latch::default());
+                    let latch = crate::sync::Arc::new(Latch::default());
                     if t.add_waiter(&latch) {
                         latch.wait();
                     }
@@ -708,11 +708,7 @@ impl Shared {
     /// Running anything else could suspend, under this wait, a task that itself
     /// needs a task suspended further down this stack.
     #[cold]
-    fn help_until(
-        &self,
-        targets: &[NodeRef],
-        allowed: &std::collections::HashMap<usize, NodeRef>,
-    ) {
+    fn help_until(&self, targets: &[NodeRef], allowed: &std::collections::HashMap<usize, NodeRef>) {
         let mut others = Vec::new();
         loop {
             let Some(waiting) = targets.iter().find(|t| !t.is_done()) else {
@@ -739,7 +735,7 @@ impl Shared {
             if ran {
                 continue;
             }
-            let latch = std::sync::Arc::new(Latch::default());
+            let latch = crate::sync::Arc::new(Latch::default());
             if waiting.add_waiter(&latch) {
                 latch.wait_timeout(Duration::from_micros(200));
             }
@@ -748,7 +744,11 @@ impl Shared {
 
     /// Runs `node` and completes it, then the dependents it releases for as long
     /// as the wait needs them (the rest go to the queues).
-    fn run_completing(&self, mut node: NodeRef, allowed: &std::collections::HashMap<usize, NodeRef>) {
+    fn run_completing(
+        &self,
+        mut node: NodeRef,
+        allowed: &std::collections::HashMap<usize, NodeRef>,
+    ) {
         loop {
             let outcome = execute(&node);
             match self.complete(&node, outcome) {

@@ -1,6 +1,10 @@
 //! The nodes recorded in Lazy mode and not known to be finished: what `wait_all`,
 //! backpressure and a retiring engine demand, and what DOT export shows.
 //!
+//! A node that waits for the one its thread registered last takes that one's
+//! place (everything that walks the registry follows dependencies), so a chain
+//! keeps one entry, not one per node.
+//!
 //! One shard per recording thread (threads are spread over the shards round-robin),
 //! so frontends recording at the same time do not contend; a shard drops its
 //! finished nodes when it has doubled since the last time (amortized O(1)).
@@ -45,6 +49,12 @@ fn my_shard() -> usize {
 impl Registry {
     pub(crate) fn push(&self, node: &NodeRef) {
         let mut s = lock(&self.shards[my_shard()]);
+        if let Some(last) = s.nodes.last_mut() {
+            if node.waits_for(last) {
+                *last = node.clone();
+                return;
+            }
+        }
         if s.nodes.len() >= s.prune_at {
             s.nodes.retain(|n| !n.is_done());
             s.prune_at = (s.nodes.len() * 2).max(PRUNE_MIN);

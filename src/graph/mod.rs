@@ -157,6 +157,12 @@ impl<J> Node<J> {
         s.deps.iter().filter(|d| !d.is_done()).cloned().collect()
     }
 
+    /// Whether it waits for `other` directly.
+    pub(crate) fn waits_for(&self, other: &Node<J>) -> bool {
+        let key = other.key();
+        lock(&self.state).deps.iter().any(|d| d.key() == key)
+    }
+
     /// Whether it was demanded.
     pub(crate) fn is_demanded(&self) -> bool {
         self.demanded.load(Ordering::Acquire)
@@ -286,11 +292,12 @@ pub(crate) fn record<J>(
 
     let mut deps: SmallVec<[(NodeRef<J>, bool); 4]> = SmallVec::new();
     let mut skip: Option<SharedError> = None;
-    let add = |deps: &mut SmallVec<[(NodeRef<J>, bool); 4]>, d: &NodeRef<J>, reads: bool| {
-        match deps.iter_mut().find(|(n, _)| Arc::ptr_eq(n, d)) {
-            Some((_, r)) => *r |= reads,
-            None => deps.push((d.clone(), reads)),
-        }
+    let add = |deps: &mut SmallVec<[(NodeRef<J>, bool); 4]>, d: &NodeRef<J>, reads: bool| match deps
+        .iter_mut()
+        .find(|(n, _)| Arc::ptr_eq(n, d))
+    {
+        Some((_, r)) => *r |= reads,
+        None => deps.push((d.clone(), reads)),
     };
     for (a, v) in accesses.iter().zip(guards.iter_mut()) {
         v.settle();
@@ -489,6 +496,14 @@ impl Latch {
                 Err(p) => p.into_inner(),
             };
         }
+    }
+
+    /// Waits until set or for `timeout`; returns whether it is set. (Loom does
+    /// not model time: there it waits until set.)
+    #[cfg(loom)]
+    pub(crate) fn wait_timeout(&self, _timeout: std::time::Duration) -> bool {
+        self.wait();
+        true
     }
 
     /// Waits until set or for `timeout`; returns whether it is set.

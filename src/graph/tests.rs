@@ -58,7 +58,10 @@ fn raw_war_waw_edges() {
     // Demanding w2 demands everything it must wait for: w1 (WAW), r1 and r2 (WAR).
     assert_eq!(demanded(&[w2.clone()]), vec![1]);
     assert_eq!(jobs(finish(&w1, Outcome::Done)), vec![2, 3]);
-    assert!(finish(&r1, Outcome::Done).is_empty(), "w2 still waits for r2");
+    assert!(
+        finish(&r1, Outcome::Done).is_empty(),
+        "w2 still waits for r2"
+    );
     assert_eq!(jobs(finish(&r2, Outcome::Done)), vec![4]);
     assert!(finish(&w2, Outcome::Done).is_empty());
     assert!(x.writer().is_none() && x.accessors().is_empty());
@@ -196,8 +199,15 @@ fn ancestors_walk_the_dependency_lists() {
     let c = rec("c", &[], &[&z], 3);
     let d = rec("d", &[&y], &[], 4);
     let an = ancestors(&[d.clone()]);
-    let keys = |v: &[&NodeRef<u32>]| v.iter().map(|n| n.key()).collect::<std::collections::HashSet<_>>();
-    assert_eq!(an.keys().copied().collect::<std::collections::HashSet<_>>(), keys(&[&a, &b, &d]));
+    let keys = |v: &[&NodeRef<u32>]| {
+        v.iter()
+            .map(|n| n.key())
+            .collect::<std::collections::HashSet<_>>()
+    };
+    assert_eq!(
+        an.keys().copied().collect::<std::collections::HashSet<_>>(),
+        keys(&[&a, &b, &d])
+    );
     assert!(!an.contains_key(&c.key()));
     assert!(an.values().any(|n| n.writes(x.key())));
     assert!(!an.values().any(|n| n.writes(z.key())));
@@ -205,7 +215,10 @@ fn ancestors_walk_the_dependency_lists() {
     demanded(&[a.clone()]);
     finish(&a, Outcome::Done);
     assert_eq!(
-        ancestors(&[d.clone()]).keys().copied().collect::<std::collections::HashSet<_>>(),
+        ancestors(&[d.clone()])
+            .keys()
+            .copied()
+            .collect::<std::collections::HashSet<_>>(),
         keys(&[&b, &d])
     );
 }

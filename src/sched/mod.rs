@@ -16,7 +16,7 @@
 
 pub(crate) mod sleep;
 
-use crate::sync::{lock, AtomicBool, Ordering};
+use crate::sync::{AtomicBool, Ordering};
 use crossbeam_deque::{Injector, Steal, Stealer, Worker};
 use sleep::Sleep;
 use std::any::Any;
@@ -73,6 +73,12 @@ struct WorkerCtx {
 thread_local! {
     /// Set on worker threads for their whole life.
     static WORKER: RefCell<Option<WorkerCtx>> = const { RefCell::new(None) };
+}
+
+/// Locks one of the pool's own (std) mutexes, ignoring poisoning: no user code
+/// runs under them. (They stay std under loom: the models do not start pools.)
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 static NEXT_POOL_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -142,7 +148,10 @@ impl<J: Send + 'static> Pool<J> {
     pub(crate) fn publish(&self, job: J) {
         let job = WORKER.with(|w| match &*w.borrow() {
             Some(c) if c.pool == self.id => {
-                let local = c.local.downcast_ref::<Worker<J>>().expect("the pool's deque");
+                let local = c
+                    .local
+                    .downcast_ref::<Worker<J>>()
+                    .expect("the pool's deque");
                 local.push(job);
                 None
             }

@@ -1,0 +1,173 @@
+//! Loom models of the graph's protocols (`RUSTFLAGS="--cfg loom" cargo test
+//! --release --lib loom`): the dependency count, the Var queue racing with
+//! completions, two records crossing on shared Vars, and the blocker latch.
+
+use super::*;
+use crate::sync::AtomicUsize;
+
+fn meta(name: &'static str) -> NodeMeta {
+    NodeMeta {
+        name,
+        location: Location::caller(),
+        lane: 0,
+    }
+}
+
+fn access(var: &VarQueue<u32>, read: bool, write: bool) -> SmallVec<[Access<'_, u32>; 4]> {
+    let mut a = SmallVec::new();
+    a.push(Access { var, read, write });
+    a
+}
+
+/// Two dependencies complete on two threads at once: the node that waits for
+/// both is handed out exactly once, after both.
+#[test]
+fn the_dependency_count_hands_a_node_out_once() {
+    loom::model(|| {
+        let (x, y) = (VarQueue::<u32>::default(), VarQueue::<u32>::default());
+        let (a, ready_a) = record(meta("a"), &mut access(&x, false, true), 1, true);
+        let (b, ready_b) = record(meta("b"), &mut access(&y, false, true), 2, true);
+        assert!(ready_a && ready_b);
+        let mut both = access(&x, true, false);
+        both.push(Access {
+            var: &y,
+            read: true,
+            write: false,
+        });
+        let (c, ready_c) = record(meta("c"), &mut both, 3, true);
+        assert!(!ready_c);
+        let handed = Arc::new(AtomicUsize::new(0));
+        let (a2, h2) = (a.clone(), handed.clone());
+        let t = loom::thread::spawn(move || {
+            complete(&a2, Outcome::Done, &mut |_| {
+                h2.fetch_add(1, Ordering::SeqCst);
+            })
+            .wake();
+        });
+        complete(&b, Outcome::Done, &mut |_| {
+            handed.fetch_add(1, Ordering::SeqCst);
+        })
+        .wake();
+        t.join().unwrap();
+        assert_eq!(handed.load(Ordering::SeqCst), 1);
+        assert!(a.is_done() && b.is_done() && !c.is_done());
+    });
+}
+
+/// A reader is recorded while the writer it reads fails on another thread:
+/// the reader is handed out exactly once (at record or by the completion) and
+/// is skipped with the writer's failure either way.
+#[test]
+fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
+    loom::model(|| {
+        let x = Arc::new(VarQueue::<u32>::default());
+        let (w, ready) = record(meta("w"), &mut access(&x, false, true), 1, true);
+        assert!(ready);
+        let handed = Arc::new(AtomicUsize::new(0));
+        let (w2, h2) = (w.clone(), handed.clone());
+        let t = loom::thread::spawn(move || {
+            let mut got = None;
+            complete(&w2, Outcome::Failed("boom".into()), &mut |r| got = Some(r)).wake();
+            if got.is_some() {
+                h2.fetch_add(1, Ordering::SeqCst);
+            }
+            got
+        });
+        let (r, ready) = record(meta("r"), &mut access(&x, true, false), 2, true);
+        if ready {
+            handed.fetch_add(1, Ordering::SeqCst);
+        }
+        let released = t.join().unwrap();
+        assert_eq!(handed.load(Ordering::SeqCst), 1);
+        if let Some(n) = released {
+            assert!(Arc::ptr_eq(&n, &r));
+        }
+        let (_, skip) = r.take_job().unwrap();
+        assert!(skip.is_some(), "the reader of a failed write is skipped");
+    });
+}
+
+/// Two threads record at once: one reads X and writes Y, the other reads Y and
+/// writes X. Locking both queues in address order serializes them, so one
+/// waits for the other and never both (a cycle would hang both forever).
+#[test]
+fn crossed_records_never_wire_a_cycle() {
+    loom::model(|| {
+        let (x, y) = (
+            Arc::new(VarQueue::<u32>::default()),
+            Arc::new(VarQueue::<u32>::default()),
+        );
+        let (x2, y2) = (x.clone(), y.clone());
+        let t = loom::thread::spawn(move || {
+            let mut a = access(&x2, true, false);
+            a.push(Access {
+                var: &y2,
+                read: false,
+                write: true,
+            });
+            record(meta("n1"), &mut a, 1, true)
+        });
+        let mut a = access(&y, true, false);
+        a.push(Access {
+            var: &x,
+            read: false,
+            write: true,
+        });
+        let (n2, ready2) = record(meta("n2"), &mut a, 2, true);
+        let (n1, ready1) = t.join().unwrap();
+        // Exactly one is ready; completing it releases the other.
+        assert!(ready1 ^ ready2);
+        let (first, second) = if ready1 { (n1, n2) } else { (n2, n1) };
+        let mut released = Vec::new();
+        complete(&first, Outcome::Done, &mut |r| released.push(r)).wake();
+        assert_eq!(released.len(), 1);
+        assert!(Arc::ptr_eq(&released[0], &second));
+    });
+}
+
+/// A blocker registers on a node while another thread completes it: either the
+/// registration is refused (the node is done) or the completion sets the latch;
+/// the wait never hangs.
+#[test]
+fn the_blocker_latch_is_never_missed() {
+    loom::model(|| {
+        let x = VarQueue::<u32>::default();
+        let (n, _) = record(meta("n"), &mut access(&x, false, true), 1, true);
+        let n2 = n.clone();
+        let t = loom::thread::spawn(move || {
+            complete(&n2, Outcome::Done, &mut |_| {}).wake();
+        });
+        let latch = Arc::new(Latch::default());
+        if n.add_waiter(&latch) {
+            latch.wait();
+        }
+        assert!(n.is_done());
+        t.join().unwrap();
+    });
+}
+
+/// Lazy mode: a node is demanded on one thread while its dependency completes
+/// on another; it is handed out exactly once.
+#[test]
+fn demand_racing_with_completion_hands_out_once() {
+    loom::model(|| {
+        let x = VarQueue::<u32>::default();
+        let (w, ready) = record(meta("w"), &mut access(&x, false, true), 1, true);
+        assert!(ready);
+        let (r, ready) = record(meta("r"), &mut access(&x, true, false), 2, false);
+        assert!(!ready);
+        let handed = Arc::new(AtomicUsize::new(0));
+        let (w2, h2) = (w.clone(), handed.clone());
+        let t = loom::thread::spawn(move || {
+            complete(&w2, Outcome::Done, &mut |_| {
+                h2.fetch_add(1, Ordering::SeqCst);
+            })
+            .wake();
+        });
+        demand(&[r.clone()], &mut |_| {
+            handed.fetch_add(1, Ordering::SeqCst);
+        });
+        t.join().unwrap();
+        assert_eq!(handed.load(Ordering::SeqCst), 1);
+    });
+}
