@@ -599,24 +599,14 @@ impl Gpu {
         Pending(self.clone())
     }
 
-    /// Record-time check that a tensor of `shape` fits in one buffer.
-    pub(crate) fn check_size(
-        &self,
-        op: &'static str,
-        shape: &crate::tensor::Shape,
-        location: crate::error::Location,
-    ) -> crate::error::Result<()> {
-        let bytes = (shape.numel() as u64).saturating_mul(4);
+    /// Record-time check that `n` floats fit in one buffer; `Err` says why not.
+    pub(crate) fn check_size(&self, n: usize) -> Result<(), String> {
+        let bytes = (n as u64).saturating_mul(4);
         if bytes > self.max_binding {
-            return Err(crate::error::Error::InvalidArgument {
-                op,
-                shape: shape.to_string(),
-                reason: format!(
-                    "{bytes} bytes exceed the largest buffer of {} ({} bytes)",
-                    self.info.name, self.max_binding
-                ),
-                location,
-            });
+            return Err(format!(
+                "{bytes} bytes exceed the largest buffer of {} ({} bytes)",
+                self.info.name, self.max_binding
+            ));
         }
         Ok(())
     }

@@ -1,6 +1,7 @@
-//! Tensor ops on a GPU device: elementwise kernels from `shaders/`, specialized by
-//! the op's WGSL expression. Ops without a GPU kernel yet return
-//! [`Error::Unsupported`] at record time.
+//! Tensor ops on a GPU device: recording their nodes, the WGSL expressions that
+//! specialize the elementwise kernels of `shaders/`, and the record-time size
+//! check. Ops without a GPU kernel yet return [`Error::Unsupported`] at record
+//! time.
 
 use super::fusion::{ElemOp, Input};
 use super::kernels::{BinaryOp, ReduceOp, UnaryOp};
@@ -336,6 +337,22 @@ fn broadcast_info(a: &Shape, b: &Shape, out: &Shape) -> Vec<u32> {
     info
 }
 
+/// Record-time check that a tensor of `shape` fits in one buffer of `gpu`.
+pub(super) fn check_size(
+    gpu: &Gpu,
+    op: &'static str,
+    shape: &Shape,
+    location: Location,
+) -> Result<()> {
+    gpu.check_size(shape.numel())
+        .map_err(|reason| Error::InvalidArgument {
+            op,
+            shape: shape.to_string(),
+            reason,
+            location,
+        })
+}
+
 impl Tensor {
     /// The GPU this tensor lives on, or `None` on the CPU.
     pub(crate) fn gpu(&self, op: &'static str, location: Location) -> Result<Option<Arc<Gpu>>> {
@@ -374,7 +391,7 @@ impl Tensor {
         op: ElemOp,
         inputs: Vec<Operand<'_>>,
     ) -> Result<Tensor> {
-        gpu.check_size(name, &out_shape, location)?;
+        check_size(&gpu, name, &out_shape, location)?;
         let dims = out_shape.dims().to_vec();
         let n = out_shape.numel();
         let out = self.output(out_shape);
@@ -436,7 +453,7 @@ impl Tensor {
             let inputs = vec![Operand::Tensor(self), Operand::Tensor(other)];
             return self.gpu_fused(gpu, name, location, out_shape, ElemOp::Binary(op), inputs);
         }
-        gpu.check_size(name, &out_shape, location)?;
+        check_size(&gpu, name, &out_shape, location)?;
         let info = broadcast_info(&self.shape, &other.shape, &out_shape);
         let expr = binary_wgsl(op, "x", "y");
         let n = out_shape.numel();
@@ -491,7 +508,7 @@ impl Tensor {
             + Send
             + 'static,
     ) -> Tensor {
-        if let Err(e) = gpu.check_size(name, &out_shape, location) {
+        if let Err(e) = check_size(&gpu, name, &out_shape, location) {
             let mut out = self.poisoned(e);
             out.shape = out_shape;
             return out;
@@ -527,7 +544,7 @@ impl Tensor {
             + Send
             + 'static,
     ) -> Result<Tensor> {
-        gpu.check_size(name, &out_shape, location)?;
+        check_size(&gpu, name, &out_shape, location)?;
         let n = out_shape.numel();
         let out = self.output(out_shape);
         let mut t = self.engine().task_at(name, location);
@@ -631,7 +648,7 @@ impl Tensor {
         out_shape: Shape,
         location: Location,
     ) -> Result<Tensor> {
-        gpu.check_size("matmul", &out_shape, location)?;
+        check_size(&gpu, "matmul", &out_shape, location)?;
         let out = self.output(out_shape);
         let mut t = self.engine().task_at("matmul", location);
         t.device(self.device);
@@ -670,7 +687,7 @@ impl Tensor {
         out_shape: Shape,
         location: Location,
     ) -> Result<Tensor> {
-        gpu.check_size("concat", &out_shape, location)?;
+        check_size(&gpu, "concat", &out_shape, location)?;
         let first = tensors[0];
         let out = first.output(out_shape.clone());
         let mut task = first.engine().task_at("concat", location);
