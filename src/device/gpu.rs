@@ -1,5 +1,10 @@
 //! GPU devices through wgpu: one wgpu Device and in-order Queue per logical device.
 //!
+//! This layer owns buffers (pooled, stamped with their fates), command batches,
+//! the pipeline cache and a hook for deferred encoding: work a layer above
+//! keeps open (the tensor layer's fusion group) comes to it as a
+//! [`DeferredEncode`].
+//!
 //! A GPU node runs like any other node: a worker takes it and runs its closure,
 //! which *encodes* the node's work into the device's open command encoder. The
 //! node completes when it is encoded, which is correct for every consumer:
@@ -181,6 +186,17 @@ impl Kernel {
             Kernel::User => spec.to_string(),
         }
     }
+}
+
+/// Work a layer above keeps open on a device and encodes as late as possible
+/// (the tensor layer's fusion group). The device encodes it before anything
+/// else it encodes, submits or reads back, so that everything after is ordered
+/// after it. See [`Gpu::with_deferred`].
+pub(crate) trait DeferredEncode: std::any::Any + Send {
+    /// Encodes the open work, if any, through [`Gpu::dispatch_writing`] (the
+    /// hook's lock is held, so [`Gpu::dispatch`] would deadlock). A failure
+    /// fails the fates of the values that work writes, not the caller.
+    fn encode(&mut self, gpu: &Gpu);
 }
 
 /// How many workgroups a dispatch launches.
@@ -401,10 +417,11 @@ pub(crate) struct Gpu {
     pool: Arc<Pool>,
     /// Kernels dispatched so far (Relaxed: a statistic).
     pub(crate) dispatched: std::sync::atomic::AtomicU64,
-    /// Whether elementwise ops are fused (see `tensor/fusion.rs`).
+    /// Whether the tensor layer fuses elementwise ops on this device.
     pub(crate) fusion: bool,
-    /// The open group of fused elementwise ops. Lock order: `fuser`, then `batch`.
-    fuser: Mutex<crate::tensor::fusion::Fuser>,
+    /// Deferred work of a layer above (see [`DeferredEncode`]), installed on
+    /// first use. Lock order: `deferred`, then `batch`.
+    deferred: Mutex<Option<Box<dyn DeferredEncode>>>,
     max_storage_buffers: usize,
     /// Largest workgroup count of one dispatch dimension.
     max_workgroups: u32,
@@ -568,7 +585,7 @@ impl Gpu {
             }),
             dispatched: std::sync::atomic::AtomicU64::new(0),
             fusion,
-            fuser: Mutex::new(Default::default()),
+            deferred: Mutex::new(None),
             max_storage_buffers: limits.max_storage_buffers_per_shader_stage as usize,
             max_workgroups: limits.max_compute_workgroups_per_dimension,
             lost,
@@ -690,7 +707,7 @@ impl Gpu {
         if n == 0 {
             return Ok(Vec::new());
         }
-        self.encode_fused()?;
+        self.encode_deferred()?;
         // Before the wait too: a value known to be bad is not worth waiting for.
         buffer.check()?;
         let size = (n * 4) as u64;
@@ -738,10 +755,10 @@ impl Gpu {
         info: &[u32],
         grid: Grid,
     ) -> Result<(), String> {
-        self.encode_fused()?;
+        self.encode_deferred()?;
         // Where the op kernels of `shaders/` write: the in-place ones their
-        // first binding, the others their last. (The fuser and user kernels name
-        // their outputs through `dispatch_writing`.)
+        // first binding, the others their last. (Deferred work and user kernels
+        // name their outputs through `dispatch_writing`.)
         let last = buffers.len().saturating_sub(1);
         let writes = match kernel {
             Kernel::Inplace | Kernel::InplaceMap => [0],
@@ -755,31 +772,38 @@ impl Gpu {
         self.max_storage_buffers
     }
 
-    /// Adds an elementwise op to the device's fusion group.
-    pub(crate) fn fuse(
+    /// Runs `f` on the deferred work of type `T`, installing `T::default()` on
+    /// first use, under the hook's lock (so `f` may encode it, but must not
+    /// call [`Gpu::encode_deferred`] or [`Gpu::dispatch`]). One device holds
+    /// deferred work of one type only.
+    pub(crate) fn with_deferred<T: DeferredEncode + Default, R>(
         &self,
-        dims: &[usize],
-        op: crate::tensor::fusion::ElemOp,
-        inputs: Vec<crate::tensor::fusion::Input>,
-        out: crate::var::Write<crate::tensor::Data>,
-    ) -> Result<(), String> {
-        self.check_lost()?;
-        lock(&self.fuser).push(self, dims, op, inputs, out)
+        f: impl FnOnce(&mut T) -> R,
+    ) -> R {
+        let mut slot = lock(&self.deferred);
+        let work: &mut dyn std::any::Any =
+            &mut **slot.get_or_insert_with(|| Box::new(T::default()));
+        f(work
+            .downcast_mut::<T>()
+            .expect("a device holds deferred work of one type"))
     }
 
-    /// Encodes the open fusion group, so that what follows is ordered after it.
-    /// A group that fails to encode fails its own outputs (through its fate),
+    /// Encodes the deferred work, so that what follows is ordered after it.
+    /// Work that fails to encode fails its own outputs (through their fates),
     /// not the node that happened to trigger the encoding; this returns `Err`
     /// only when the device is lost.
-    pub(crate) fn encode_fused(&self) -> Result<(), String> {
-        lock(&self.fuser).encode(self);
+    pub(crate) fn encode_deferred(&self) -> Result<(), String> {
+        if let Some(work) = &mut *lock(&self.deferred) {
+            work.encode(self);
+        }
         self.check_lost()
     }
 
     /// Encodes one kernel that writes `buffers[writes]` (and reads the rest),
-    /// without encoding the fusion group first (the fuser calls it under its
-    /// lock). The outputs are stamped with the batch they were encoded into and the
-    /// open or failed fates of every bound buffer.
+    /// without encoding the deferred work first (that work calls it under the
+    /// hook's lock; others call [`Gpu::encode_deferred`] before taking locks of
+    /// their own, then this). The outputs are stamped with the batch they were
+    /// encoded into and the open or failed fates of every bound buffer.
     pub(crate) fn dispatch_writing(
         &self,
         kernel: Kernel,
@@ -875,7 +899,7 @@ impl Gpu {
             dst.stamp(lineage);
             return Ok(());
         }
-        self.encode_fused()?;
+        self.encode_deferred()?;
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch)
             .copy_buffer_to_buffer(src.raw(), 0, dst.raw(), 0, size);
@@ -951,7 +975,7 @@ impl Gpu {
 
     /// Submits the open batch, if any, so that its work starts.
     pub(crate) fn flush(&self) -> Result<(), String> {
-        self.encode_fused()?;
+        self.encode_deferred()?;
         self.submit_locked(&mut lock(&self.batch)).map(|_| ())
     }
 
@@ -959,7 +983,7 @@ impl Gpu {
     /// everything. A failed submission is not an error here: it is in the
     /// fates of the values written in it, and in [`Gpu::take_failures`].
     pub(crate) fn synchronize(&self) -> Result<(), String> {
-        self.encode_fused()?;
+        self.encode_deferred()?;
         if let Ok(index) = self.submit_locked(&mut lock(&self.batch)) {
             self.wait(index)?;
         }

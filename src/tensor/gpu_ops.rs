@@ -3,7 +3,7 @@
 //! check. Ops without a GPU kernel yet return [`Error::Unsupported`] at record
 //! time.
 
-use super::fusion::{ElemOp, Input};
+use super::fusion::{ElemOp, Fuser, Input};
 use super::kernels::{BinaryOp, ReduceOp, UnaryOp};
 use super::{Data, Shape, Tensor};
 use crate::device::gpu::{Gpu, GpuBuffer, Grid, Kernel};
@@ -432,7 +432,7 @@ impl Tensor {
                     _ => Input::Scalar(s),
                 })
                 .collect();
-            gpu.fuse(&dims, op, inputs, o)?;
+            Fuser::fuse(&gpu, &dims, op, inputs, o)?;
             drop(self_token);
             drop(pending);
             Ok(())
@@ -755,7 +755,7 @@ impl Tensor {
         t.push_fallible(move || {
             // Encode pending fused ops first: they may read this buffer, and
             // the fuser must not wait for the write lock taken here.
-            gpu.encode_fused()?;
+            gpu.encode_deferred()?;
             let guard = w.write();
             let ab = guard.gpu()?;
             match &b {
@@ -806,7 +806,7 @@ impl Tensor {
         let pending = gpu.expect_node();
         // Cannot fail: one Var of this engine.
         let _ = t.push_fallible(move || {
-            gpu.encode_fused()?;
+            gpu.encode_deferred()?;
             let mut guard = w.write();
             if !matches!(&*guard, Data::Gpu(_)) {
                 // A poisoned or never-computed target: give it a buffer.

@@ -159,7 +159,7 @@ impl KernelBuilder<'_> {
                 .map(|(pos, _)| pos)
                 .collect();
             let buffers: Vec<&GpuBuffer> = all.into_iter().map(|(_, b)| b).collect();
-            gpu.encode_fused()?;
+            gpu.encode_deferred()?;
             gpu.dispatch_writing(
                 Kernel::User,
                 &source,
