@@ -27,7 +27,9 @@
 
 use super::kernels::{BinaryOp, UnaryOp};
 use super::Data;
-use crate::device::gpu::{DeferredEncode, Fate, Gpu, GpuBuffer, Grid, Kernel, Lineage, Writers};
+use crate::device::gpu::{
+    Access, DeferredEncode, Fate, Gpu, GpuBuffer, Grid, KernelSource, Lineage, Writers,
+};
 use crate::var::{Read, Write};
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -233,17 +235,19 @@ fn encode_kernel(gpu: &Gpu, group: &Group) -> Result<(), String> {
         .filter(|(_, w)| **w)
         .map(|(op, _)| op.out.read())
         .collect();
-    let mut buffers: Vec<&GpuBuffer> = Vec::with_capacity(leaf_guards.len() + out_guards.len());
-    for g in leaf_guards.iter().chain(out_guards.iter()) {
-        buffers.push(g.gpu()?);
+    let mut bindings: Vec<(&GpuBuffer, Access)> =
+        Vec::with_capacity(leaf_guards.len() + out_guards.len());
+    for g in &leaf_guards {
+        bindings.push((g.gpu()?, Access::Read));
     }
-    let writes: Vec<usize> = (leaf_guards.len()..buffers.len()).collect();
+    for g in &out_guards {
+        bindings.push((g.gpu()?, Access::Write));
+    }
     // Under the hook's lock: `dispatch` would encode the group again.
-    gpu.dispatch_writing(
-        Kernel::User,
+    gpu.dispatch_direct(
+        KernelSource::WHOLE,
         &source,
-        &buffers,
-        &writes,
+        &bindings,
         &info,
         Grid::Elements(n),
     )

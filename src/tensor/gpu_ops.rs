@@ -1,12 +1,13 @@
 //! Tensor ops on a GPU device: recording their nodes, the WGSL expressions that
-//! specialize the elementwise kernels of `shaders/`, and the record-time size
-//! check. Ops without a GPU kernel yet return [`Error::Unsupported`] at record
-//! time.
+//! specialize the elementwise kernels of `shaders/` (listed in `shaders.rs`),
+//! and the record-time size check. Ops without a GPU kernel yet return
+//! [`Error::Unsupported`] at record time.
 
 use super::fusion::{ElemOp, Fuser, Input};
 use super::kernels::{BinaryOp, ReduceOp, UnaryOp};
+use super::shaders::Kernel;
 use super::{Data, Shape, Tensor};
-use crate::device::gpu::{Gpu, GpuBuffer, Grid, Kernel};
+use crate::device::gpu::{Gpu, GpuBuffer, Grid};
 use crate::device::Device;
 
 /// An operand of a fused op inside its node: a tensor's data and shape, or a
@@ -472,16 +473,16 @@ impl Tensor {
                 match &b {
                     Some(b) => {
                         let gb = b.read();
-                        gpu.dispatch(
-                            Kernel::Binary,
+                        Kernel::Binary.dispatch(
+                            &gpu,
                             &expr,
                             &[ab, gb.gpu()?, &buf],
                             &info,
                             Grid::Elements(n),
                         )?;
                     }
-                    None => gpu.dispatch(
-                        Kernel::Binary,
+                    None => Kernel::Binary.dispatch(
+                        &gpu,
                         &expr,
                         &[ab, ab, &buf],
                         &info,
@@ -582,7 +583,7 @@ impl Tensor {
         let n = self.numel();
         let info = [n as u32, s.to_bits()];
         self.gpu_node1(gpu, name, location, self.shape.clone(), move |g, a, out| {
-            g.dispatch(Kernel::Map, &expr, &[a, out], &info, Grid::Elements(n))
+            Kernel::Map.dispatch(g, &expr, &[a, out], &info, Grid::Elements(n))
         })
     }
 
@@ -608,8 +609,8 @@ impl Tensor {
         let outputs = outer * inner;
         let info = [outputs as u32, len as u32, inner.max(1) as u32];
         self.gpu_node1(gpu, op.name(), location, out_shape, move |g, a, out| {
-            g.dispatch(
-                Kernel::Reduce,
+            Kernel::Reduce.dispatch(
+                g,
                 &kind.to_string(),
                 &[a, out],
                 &info,
@@ -632,7 +633,7 @@ impl Tensor {
         let info = strided_info(&out_shape, src_base, src_strides, 0, &out_shape.strides());
         let n = out_shape.numel();
         self.gpu_node1(gpu, name, location, out_shape, move |g, a, out| {
-            g.dispatch(Kernel::StridedCopy, "", &[a, out], &info, Grid::Elements(n))
+            Kernel::StridedCopy.dispatch(g, "", &[a, out], &info, Grid::Elements(n))
         })
     }
 
@@ -666,9 +667,9 @@ impl Tensor {
                 match &b {
                     Some(b) => {
                         let gb = b.read();
-                        gpu.dispatch(Kernel::Matmul, "", &[ab, gb.gpu()?, &buf], &info, grid)?;
+                        Kernel::Matmul.dispatch(&gpu, "", &[ab, gb.gpu()?, &buf], &info, grid)?;
                     }
-                    None => gpu.dispatch(Kernel::Matmul, "", &[ab, ab, &buf], &info, grid)?,
+                    None => Kernel::Matmul.dispatch(&gpu, "", &[ab, ab, &buf], &info, grid)?,
                 }
             }
             *o.write() = Data::Gpu(buf);
@@ -712,8 +713,8 @@ impl Tensor {
         task.push_fallible(move || {
             let buf = gpu.alloc(total)?;
             for (r, info, n) in &parts {
-                gpu.dispatch(
-                    Kernel::StridedCopy,
+                Kernel::StridedCopy.dispatch(
+                    &gpu,
                     "",
                     &[r.read().gpu()?, &buf],
                     info,
@@ -759,8 +760,8 @@ impl Tensor {
             let guard = w.write();
             let ab = guard.gpu()?;
             match &b {
-                Some(b) => gpu.dispatch(
-                    Kernel::Inplace,
+                Some(b) => Kernel::Inplace.dispatch(
+                    &gpu,
                     &expr,
                     &[ab, b.read().gpu()?],
                     &info,
@@ -770,13 +771,7 @@ impl Tensor {
                     // A buffer cannot be bound read-only and read-write at once.
                     let copy = gpu.alloc(nb)?;
                     gpu.copy(ab, &copy, (nb * 4) as u64)?;
-                    gpu.dispatch(
-                        Kernel::Inplace,
-                        &expr,
-                        &[ab, &copy],
-                        &info,
-                        Grid::Elements(n),
-                    )?
+                    Kernel::Inplace.dispatch(&gpu, &expr, &[ab, &copy], &info, Grid::Elements(n))?
                 }
             }
             drop(pending);
@@ -812,13 +807,7 @@ impl Tensor {
                 // A poisoned or never-computed target: give it a buffer.
                 *guard = Data::Gpu(gpu.alloc(n)?);
             }
-            gpu.dispatch(
-                Kernel::InplaceMap,
-                &expr,
-                &[guard.gpu()?],
-                &info,
-                Grid::Elements(n),
-            )?;
+            Kernel::InplaceMap.dispatch(&gpu, &expr, &[guard.gpu()?], &info, Grid::Elements(n))?;
             drop(pending);
             Ok(())
         });
@@ -904,6 +893,12 @@ mod tests {
     fn every_shader_specialization_validates() {
         let specs = all_specializations();
         assert!(specs.len() >= 13 * 5 + 8 * 2 + 8);
+        for kernel in Kernel::ALL {
+            assert!(
+                specs.iter().any(|(k, _)| *k == kernel),
+                "{kernel:?} is never validated"
+            );
+        }
         for (kernel, expr) in specs {
             let source = kernel.specialize(&expr);
             assert!(

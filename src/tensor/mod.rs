@@ -21,6 +21,7 @@ pub(crate) mod kernels;
 pub(crate) mod nn_kernels;
 mod nn_ops;
 mod ops;
+mod shaders;
 mod shape;
 mod user_kernel;
 
