@@ -1,5 +1,11 @@
 //! GPU devices through wgpu: one wgpu Device and in-order Queue per logical device.
 //!
+//! This layer owns buffers (pooled, stamped with their fates), command batches,
+//! the pipeline cache and a hook for deferred encoding. It knows no tensor op:
+//! kernels come to it as a [`KernelSource`] with a specialization string, and
+//! work a layer above keeps open (the tensor layer's fusion group) comes as a
+//! [`DeferredEncode`].
+//!
 //! A GPU node runs like any other node: a worker takes it and runs its closure,
 //! which *encodes* the node's work into the device's open command encoder. The
 //! node completes when it is encoded, which is correct for every consumer:
@@ -108,7 +114,7 @@ pub enum GpuFault {
 
 /// Dispatches per submitted command buffer at most.
 const BATCH_LIMIT: usize = 64;
-/// Invocations per workgroup of every elementwise kernel (see `shaders/`).
+/// Invocations per workgroup of every kernel dispatched over [`Grid::Elements`].
 const WORKGROUP: usize = 256;
 
 /// What a GPU device is, for listings and reports.
@@ -124,63 +130,64 @@ pub struct GpuInfo {
     pub logical: usize,
 }
 
-/// The kernels in `shaders/` (one per file).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Kernel {
-    /// `binary.wgsl`: `OP` in `x` and `y`, with broadcasting.
-    Binary,
-    /// `map.wgsl`: `OP` in `x` and the scalar `s`.
-    Map,
-    /// `inplace.wgsl`: `a = OP(x, y)` with `y` broadcast.
-    Inplace,
-    /// `inplace_map.wgsl`: `a = OP(x, s)`.
-    InplaceMap,
-    /// `reduce.wgsl`: specialized by the reduction kind (0 to 4).
-    Reduce,
-    /// `strided_copy.wgsl`: layout changes.
-    StridedCopy,
-    /// `matmul.wgsl`: tiled, batched.
-    Matmul,
-    /// `im2col.wgsl`: specialized by the direction (0 im2col, 1 col2im).
-    Im2col,
-    /// `pool.wgsl`: specialized by the kind (0 average, 1 max, 2 and 3 their
-    /// gradients).
-    Pool,
-    /// A user's kernel: the specialization is the whole source.
-    User,
+/// A compute kernel as the device sees it. Pipelines are cached by `name` and
+/// the specialization string a dispatch passes with it, and the WGSL is built
+/// by `specialize(template, spec)` only when that pipeline is not cached yet.
+/// So one `name` must always come with the same `template` and `specialize`.
+///
+/// The op kernels of `shaders/` are described by the tensor layer
+/// (`tensor/shaders.rs`); kernels whose specialization is their whole source
+/// (a user's, a generated one) use [`KernelSource::WHOLE`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KernelSource {
+    /// Names the kernel in the pipeline cache and in wgpu labels.
+    pub(crate) name: &'static str,
+    /// The WGSL the specialization is applied to.
+    pub(crate) template: &'static str,
+    /// Builds the WGSL of one specialization.
+    pub(crate) specialize: fn(template: &'static str, spec: &str) -> String,
 }
 
-impl Kernel {
-    pub(crate) fn source(self) -> &'static str {
-        match self {
-            Kernel::Binary => include_str!("../../shaders/binary.wgsl"),
-            Kernel::Map => include_str!("../../shaders/map.wgsl"),
-            Kernel::Inplace => include_str!("../../shaders/inplace.wgsl"),
-            Kernel::InplaceMap => include_str!("../../shaders/inplace_map.wgsl"),
-            Kernel::Reduce => include_str!("../../shaders/reduce.wgsl"),
-            Kernel::StridedCopy => include_str!("../../shaders/strided_copy.wgsl"),
-            Kernel::Matmul => include_str!("../../shaders/matmul.wgsl"),
-            Kernel::Im2col => include_str!("../../shaders/im2col.wgsl"),
-            Kernel::Pool => include_str!("../../shaders/pool.wgsl"),
-            Kernel::User => "",
-        }
-    }
+impl KernelSource {
+    /// A kernel whose specialization is its complete WGSL source.
+    pub(crate) const WHOLE: KernelSource = KernelSource {
+        name: "wgsl",
+        template: "",
+        specialize: whole_source,
+    };
 
-    /// The kernel's source with its specialization filled in: the expression
-    /// that replaces `OP`, or the value of `KIND_VALUE`; kernels without one
-    /// ignore it.
-    pub(crate) fn specialize(self, spec: &str) -> String {
-        match self {
-            Kernel::Binary | Kernel::Map | Kernel::Inplace | Kernel::InplaceMap => {
-                self.source().replace("OP;", &format!("{spec};"))
-            }
-            Kernel::Reduce | Kernel::Im2col | Kernel::Pool => {
-                self.source().replace("KIND_VALUE", spec)
-            }
-            Kernel::StridedCopy | Kernel::Matmul => self.source().to_string(),
-            Kernel::User => spec.to_string(),
-        }
+    /// The WGSL of the specialization `spec`.
+    pub(crate) fn wgsl(&self, spec: &str) -> String {
+        (self.specialize)(self.template, spec)
     }
+}
+
+fn whole_source(_template: &'static str, spec: &str) -> String {
+    spec.to_string()
+}
+
+/// How a kernel uses one of its bound buffers. A written buffer is stamped
+/// with the lineage of the dispatch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Access {
+    /// Only read.
+    Read,
+    /// Written, with a new value that may depend on the old one.
+    Write,
+    /// Written without reading it (`fill_`): the old value's failures do not
+    /// carry over to the new one.
+    Overwrite,
+}
+
+/// Work a layer above keeps open on a device and encodes as late as possible
+/// (the tensor layer's fusion group). The device encodes it before anything
+/// else it encodes, submits or reads back, so that everything after is ordered
+/// after it. See [`Gpu::with_deferred`].
+pub(crate) trait DeferredEncode: std::any::Any + Send {
+    /// Encodes the open work, if any, through [`Gpu::dispatch_direct`] (the
+    /// hook's lock is held, so [`Gpu::dispatch`] would deadlock). A failure
+    /// fails the fates of the values that work writes, not the caller.
+    fn encode(&mut self, gpu: &Gpu);
 }
 
 /// How many workgroups a dispatch launches.
@@ -393,7 +400,8 @@ pub(crate) struct Gpu {
     device: wgpu::Device,
     queue: wgpu::Queue,
     batch: Mutex<Batch>,
-    pipelines: Mutex<HashMap<(Kernel, String), wgpu::ComputePipeline>>,
+    /// By kernel name and specialization (see [`KernelSource`]).
+    pipelines: Mutex<HashMap<(&'static str, String), wgpu::ComputePipeline>>,
     /// Largest storage buffer binding, in bytes (the adapter's real limit).
     pub(crate) max_binding: u64,
     /// Recorded GPU nodes not yet encoded (see [`Pending`]).
@@ -401,10 +409,11 @@ pub(crate) struct Gpu {
     pool: Arc<Pool>,
     /// Kernels dispatched so far (Relaxed: a statistic).
     pub(crate) dispatched: std::sync::atomic::AtomicU64,
-    /// Whether elementwise ops are fused (see `tensor/fusion.rs`).
+    /// Whether the tensor layer fuses elementwise ops on this device.
     pub(crate) fusion: bool,
-    /// The open group of fused elementwise ops. Lock order: `fuser`, then `batch`.
-    fuser: Mutex<crate::tensor::fusion::Fuser>,
+    /// Deferred work of a layer above (see [`DeferredEncode`]), installed on
+    /// first use. Lock order: `deferred`, then `batch`.
+    deferred: Mutex<Option<Box<dyn DeferredEncode>>>,
     max_storage_buffers: usize,
     /// Largest workgroup count of one dispatch dimension.
     max_workgroups: u32,
@@ -568,7 +577,7 @@ impl Gpu {
             }),
             dispatched: std::sync::atomic::AtomicU64::new(0),
             fusion,
-            fuser: Mutex::new(Default::default()),
+            deferred: Mutex::new(None),
             max_storage_buffers: limits.max_storage_buffers_per_shader_stage as usize,
             max_workgroups: limits.max_compute_workgroups_per_dimension,
             lost,
@@ -599,24 +608,14 @@ impl Gpu {
         Pending(self.clone())
     }
 
-    /// Record-time check that a tensor of `shape` fits in one buffer.
-    pub(crate) fn check_size(
-        &self,
-        op: &'static str,
-        shape: &crate::tensor::Shape,
-        location: crate::error::Location,
-    ) -> crate::error::Result<()> {
-        let bytes = (shape.numel() as u64).saturating_mul(4);
+    /// Record-time check that `n` floats fit in one buffer; `Err` says why not.
+    pub(crate) fn check_size(&self, n: usize) -> Result<(), String> {
+        let bytes = (n as u64).saturating_mul(4);
         if bytes > self.max_binding {
-            return Err(crate::error::Error::InvalidArgument {
-                op,
-                shape: shape.to_string(),
-                reason: format!(
-                    "{bytes} bytes exceed the largest buffer of {} ({} bytes)",
-                    self.info.name, self.max_binding
-                ),
-                location,
-            });
+            return Err(format!(
+                "{bytes} bytes exceed the largest buffer of {} ({} bytes)",
+                self.info.name, self.max_binding
+            ));
         }
         Ok(())
     }
@@ -700,7 +699,7 @@ impl Gpu {
         if n == 0 {
             return Ok(Vec::new());
         }
-        self.encode_fused()?;
+        self.encode_deferred()?;
         // Before the wait too: a value known to be bad is not worth waiting for.
         buffer.check()?;
         let size = (n * 4) as u64;
@@ -738,26 +737,19 @@ impl Gpu {
         Ok(out)
     }
 
-    /// Encodes one kernel. `buffers` are bound in order and `info` is uploaded
-    /// as the last binding.
+    /// Encodes one kernel after the deferred work. `bindings` are bound in
+    /// order and `info` is uploaded as the last binding (none when it is
+    /// empty).
     pub(crate) fn dispatch(
         &self,
-        kernel: Kernel,
+        kernel: KernelSource,
         spec: &str,
-        buffers: &[&GpuBuffer],
+        bindings: &[(&GpuBuffer, Access)],
         info: &[u32],
         grid: Grid,
     ) -> Result<(), String> {
-        self.encode_fused()?;
-        // Where the op kernels of `shaders/` write: the in-place ones their
-        // first binding, the others their last. (The fuser and user kernels name
-        // their outputs through `dispatch_writing`.)
-        let last = buffers.len().saturating_sub(1);
-        let writes = match kernel {
-            Kernel::Inplace | Kernel::InplaceMap => [0],
-            _ => [last],
-        };
-        self.dispatch_writing(kernel, spec, buffers, &writes, info, grid)
+        self.encode_deferred()?;
+        self.dispatch_direct(kernel, spec, bindings, info, grid)
     }
 
     /// Storage buffers one kernel may bind.
@@ -765,52 +757,63 @@ impl Gpu {
         self.max_storage_buffers
     }
 
-    /// Adds an elementwise op to the device's fusion group.
-    pub(crate) fn fuse(
+    /// Runs `f` on the deferred work of type `T`, installing `T::default()` on
+    /// first use, under the hook's lock (so `f` may encode it, but must not
+    /// call [`Gpu::encode_deferred`] or [`Gpu::dispatch`]). One device holds
+    /// deferred work of one type only.
+    pub(crate) fn with_deferred<T: DeferredEncode + Default, R>(
         &self,
-        dims: &[usize],
-        op: crate::tensor::fusion::ElemOp,
-        inputs: Vec<crate::tensor::fusion::Input>,
-        out: crate::var::Write<crate::tensor::Data>,
-    ) -> Result<(), String> {
-        self.check_lost()?;
-        lock(&self.fuser).push(self, dims, op, inputs, out)
+        f: impl FnOnce(&mut T) -> R,
+    ) -> R {
+        let mut slot = lock(&self.deferred);
+        let work: &mut dyn std::any::Any =
+            &mut **slot.get_or_insert_with(|| Box::new(T::default()));
+        f(work
+            .downcast_mut::<T>()
+            .expect("a device holds deferred work of one type"))
     }
 
-    /// Encodes the open fusion group, so that what follows is ordered after it.
-    /// A group that fails to encode fails its own outputs (through its fate),
+    /// Encodes the deferred work, so that what follows is ordered after it.
+    /// Work that fails to encode fails its own outputs (through their fates),
     /// not the node that happened to trigger the encoding; this returns `Err`
     /// only when the device is lost.
-    pub(crate) fn encode_fused(&self) -> Result<(), String> {
-        lock(&self.fuser).encode(self);
+    pub(crate) fn encode_deferred(&self) -> Result<(), String> {
+        if let Some(work) = &mut *lock(&self.deferred) {
+            work.encode(self);
+        }
         self.check_lost()
     }
 
-    /// Encodes one kernel that writes `buffers[writes]` (and reads the rest),
-    /// without encoding the fusion group first (the fuser calls it under its
-    /// lock). The outputs are stamped with the batch they were encoded into and the
-    /// open or failed fates of every bound buffer.
-    pub(crate) fn dispatch_writing(
+    /// Encodes one kernel without encoding the deferred work first (that work
+    /// calls it under the hook's lock; others call [`Gpu::encode_deferred`]
+    /// before taking locks of their own, then this). The written buffers are
+    /// stamped with the batch they were encoded into and the open or failed
+    /// fates of every bound buffer but those it overwrites.
+    pub(crate) fn dispatch_direct(
         &self,
-        kernel: Kernel,
+        kernel: KernelSource,
         spec: &str,
-        buffers: &[&GpuBuffer],
-        writes: &[usize],
+        bindings: &[(&GpuBuffer, Access)],
         info: &[u32],
         grid: Grid,
     ) -> Result<(), String> {
         self.check_lost()?;
         let mut lineage = Lineage::new();
-        // An overwrite (`fill_`) does not depend on the old value.
-        let overwrite = kernel == Kernel::InplaceMap && spec == "s";
-        for (i, b) in buffers.iter().enumerate() {
-            if !(overwrite && writes.contains(&i)) {
+        // An overwrite does not depend on the old value.
+        for (b, access) in bindings {
+            if *access != Access::Overwrite {
                 b.lineage_into(&mut lineage);
             }
         }
+        let written = || {
+            bindings
+                .iter()
+                .filter(|(_, access)| *access != Access::Read)
+                .map(|(b, _)| b)
+        };
         let Some((gx, gy, gz)) = grid.counts() else {
-            for &w in writes {
-                buffers[w].stamp(lineage.clone());
+            for b in written() {
+                b.stamp(lineage.clone());
             }
             return Ok(());
         };
@@ -835,9 +838,9 @@ impl Gpu {
             info.lineage_into(&mut lineage);
         }
         let layout = self.scoped(|| pipeline.get_bind_group_layout(0))?;
-        let entries: Vec<wgpu::BindGroupEntry> = buffers
+        let entries: Vec<wgpu::BindGroupEntry> = bindings
             .iter()
-            .copied()
+            .map(|(b, _)| *b)
             .chain(info.as_ref())
             .enumerate()
             .map(|(i, b)| wgpu::BindGroupEntry {
@@ -864,8 +867,8 @@ impl Gpu {
             lineage.push(batch.fate.clone());
         }
         batch.writers.note();
-        for &w in writes {
-            buffers[w].stamp(lineage.clone());
+        for b in written() {
+            b.stamp(lineage.clone());
         }
         batch.dispatches += 1;
         self.dispatched
@@ -885,7 +888,7 @@ impl Gpu {
             dst.stamp(lineage);
             return Ok(());
         }
-        self.encode_fused()?;
+        self.encode_deferred()?;
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch)
             .copy_buffer_to_buffer(src.raw(), 0, dst.raw(), 0, size);
@@ -895,23 +898,23 @@ impl Gpu {
         Ok(())
     }
 
-    fn pipeline(&self, kernel: Kernel, spec: &str) -> Result<wgpu::ComputePipeline, String> {
+    fn pipeline(&self, kernel: KernelSource, spec: &str) -> Result<wgpu::ComputePipeline, String> {
         self.injected(GpuFault::Pipeline)?;
-        let key = (kernel, spec.to_string());
+        let key = (kernel.name, spec.to_string());
         if let Some(p) = lock(&self.pipelines).get(&key) {
             return Ok(p.clone());
         }
-        let source = kernel.specialize(spec);
+        let source = kernel.wgsl(spec);
         let pipeline = self.scoped(|| {
             let module = self
                 .device
                 .create_shader_module(wgpu::ShaderModuleDescriptor {
-                    label: Some("lazyflow kernel"),
+                    label: Some(kernel.name),
                     source: wgpu::ShaderSource::Wgsl(source.into()),
                 });
             self.device
                 .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: Some("lazyflow kernel"),
+                    label: Some(kernel.name),
                     layout: None,
                     module: &module,
                     entry_point: Some("main"),
@@ -961,7 +964,7 @@ impl Gpu {
 
     /// Submits the open batch, if any, so that its work starts.
     pub(crate) fn flush(&self) -> Result<(), String> {
-        self.encode_fused()?;
+        self.encode_deferred()?;
         self.submit_locked(&mut lock(&self.batch)).map(|_| ())
     }
 
@@ -969,7 +972,7 @@ impl Gpu {
     /// everything. A failed submission is not an error here: it is in the
     /// fates of the values written in it, and in [`Gpu::take_failures`].
     pub(crate) fn synchronize(&self) -> Result<(), String> {
-        self.encode_fused()?;
+        self.encode_deferred()?;
         if let Ok(index) = self.submit_locked(&mut lock(&self.batch)) {
             self.wait(index)?;
         }

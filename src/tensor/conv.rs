@@ -11,8 +11,9 @@ use super::grads::when;
 use super::kernels::BinaryOp;
 use super::nn_kernels::{self, PoolKind, Window};
 use super::ops::{arg_err, shape_err};
+use super::shaders::Kernel;
 use super::{Shape, Tensor};
-use crate::device::gpu::{Gpu, Grid, Kernel};
+use crate::device::gpu::{Gpu, Grid};
 use crate::error::{Location, Result};
 use std::sync::Arc;
 
@@ -231,7 +232,7 @@ impl Tensor {
         let (info, n) = (win.info(), shape.numel());
         let back = gpu.clone();
         let out = self.gpu_node1(gpu, "im2col", location, shape, move |g, x, out| {
-            g.dispatch(Kernel::Im2col, "0", &[x, out], &info, Grid::Elements(n))
+            Kernel::Im2col.dispatch(g, "0", &[x, out], &info, Grid::Elements(n))
         });
         out.taped("im2col", location, &[self], move |g, _| {
             Ok(vec![Some(g.col2im_at(back.clone(), win, location))])
@@ -243,7 +244,7 @@ impl Tensor {
         let shape = Shape::from([win.n, win.c, win.h, win.w]);
         let (info, n) = (win.info(), shape.numel());
         self.gpu_node1(gpu, "col2im", location, shape, move |g, cols, x| {
-            g.dispatch(Kernel::Im2col, "1", &[cols, x], &info, Grid::Elements(n))
+            Kernel::Im2col.dispatch(g, "1", &[cols, x], &info, Grid::Elements(n))
         })
     }
 
@@ -319,7 +320,7 @@ impl Tensor {
                     PoolKind::Max => "1",
                 };
                 self.gpu_node1(gpu, name, location, shape, move |g, x, out| {
-                    g.dispatch(Kernel::Pool, spec, &[x, out], &info, Grid::Elements(n))
+                    Kernel::Pool.dispatch(g, spec, &[x, out], &info, Grid::Elements(n))
                 })
             }
             None => self.map1(name, location, shape, move |x, out| {
@@ -356,7 +357,7 @@ impl Tensor {
                     PoolKind::Max => "3",
                 };
                 self.gpu_node2(g, gpu, name, location, shape, move |gp, x, gout, gx| {
-                    gp.dispatch(Kernel::Pool, spec, &[x, gout, gx], &info, Grid::Elements(n))
+                    Kernel::Pool.dispatch(gp, spec, &[x, gout, gx], &info, Grid::Elements(n))
                 })
             }
             None => self.map2(g, name, location, shape, move |x, gout, gx| {

@@ -1,4 +1,6 @@
-//! Fusion of elementwise GPU ops into generated kernels.
+//! Fusion of elementwise GPU ops into generated kernels: each device's open
+//! group, kept in the device's deferred-encode hook, and the kernels generated
+//! from it.
 //!
 //! An elementwise node on a GPU (binary with broadcasting, scalar, unary) does not
 //! dispatch a kernel when it runs: it appends its op to its device's open *group*
@@ -12,6 +14,10 @@
 //! So a chain `x = x + 1` repeated n times becomes one kernel with one output, and
 //! results nobody keeps are never written.
 //!
+//! The group lives in its device's deferred-encode hook ([`DeferredEncode`]),
+//! so the device encodes it before anything else it encodes, submits or reads
+//! back; its lock comes before the device's batch lock.
+//!
 //! Every output joins the group's fate when its op joins (see `device/gpu.rs`):
 //! if the group cannot be encoded, that fate fails and so does every value the
 //! group would have written, whichever node triggered the encoding.
@@ -21,7 +27,9 @@
 
 use super::kernels::{BinaryOp, UnaryOp};
 use super::Data;
-use crate::device::gpu::{Fate, Gpu, GpuBuffer, Grid, Kernel, Lineage, Writers};
+use crate::device::gpu::{
+    Access, DeferredEncode, Fate, Gpu, GpuBuffer, Grid, KernelSource, Lineage, Writers,
+};
 use crate::var::{Read, Write};
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -106,7 +114,7 @@ pub(crate) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<u32> {
 impl Fuser {
     /// Adds `out = op(inputs)` (output shape `dims`) to the device's group,
     /// encoding the open group first when this op cannot join it.
-    pub(crate) fn push(
+    fn push(
         &mut self,
         gpu: &Gpu,
         dims: &[usize],
@@ -120,7 +128,7 @@ impl Fuser {
                 && g.leaves.len() + g.ops.len() + inputs.len() + 2 <= gpu.max_bindings()
         });
         if !fits {
-            self.encode(gpu);
+            self.encode_group(gpu);
         }
         let group = self.group.get_or_insert_with(|| Group {
             dims: dims.to_vec(),
@@ -172,14 +180,26 @@ impl Fuser {
         Ok(())
     }
 
+    /// Adds `out = op(inputs)` to `gpu`'s group (see [`Fuser::push`]).
+    pub(crate) fn fuse(
+        gpu: &Gpu,
+        dims: &[usize],
+        op: ElemOp,
+        inputs: Vec<Input>,
+        out: Write<Data>,
+    ) -> Result<(), String> {
+        gpu.check_lost()?;
+        gpu.with_deferred(|fuser: &mut Fuser| fuser.push(gpu, dims, op, inputs, out))
+    }
+
     /// Encodes the open group as one kernel (nothing if it is empty or writes
     /// nothing anyone can read). A failure fails the group's fate, and with it
     /// every value the group writes.
-    pub(crate) fn encode(&mut self, gpu: &Gpu) {
+    fn encode_group(&mut self, gpu: &Gpu) {
         let Some(group) = self.group.take() else {
             return;
         };
-        match encode_group(gpu, &group) {
+        match encode_kernel(gpu, &group) {
             // Its outputs now depend on the batch it went into.
             Ok(()) => group.fate.settle(),
             Err(e) => {
@@ -191,7 +211,13 @@ impl Fuser {
     }
 }
 
-fn encode_group(gpu: &Gpu, group: &Group) -> Result<(), String> {
+impl DeferredEncode for Fuser {
+    fn encode(&mut self, gpu: &Gpu) {
+        self.encode_group(gpu);
+    }
+}
+
+fn encode_kernel(gpu: &Gpu, group: &Group) -> Result<(), String> {
     let n: usize = group.dims.iter().product();
     // A value is written if anything outside the group can still read it: a
     // handle or a token besides the group's own write token (readers inside
@@ -209,16 +235,19 @@ fn encode_group(gpu: &Gpu, group: &Group) -> Result<(), String> {
         .filter(|(_, w)| **w)
         .map(|(op, _)| op.out.read())
         .collect();
-    let mut buffers: Vec<&GpuBuffer> = Vec::with_capacity(leaf_guards.len() + out_guards.len());
-    for g in leaf_guards.iter().chain(out_guards.iter()) {
-        buffers.push(g.gpu()?);
+    let mut bindings: Vec<(&GpuBuffer, Access)> =
+        Vec::with_capacity(leaf_guards.len() + out_guards.len());
+    for g in &leaf_guards {
+        bindings.push((g.gpu()?, Access::Read));
     }
-    let writes: Vec<usize> = (leaf_guards.len()..buffers.len()).collect();
-    gpu.dispatch_writing(
-        Kernel::User,
+    for g in &out_guards {
+        bindings.push((g.gpu()?, Access::Write));
+    }
+    // Under the hook's lock: `dispatch` would encode the group again.
+    gpu.dispatch_direct(
+        KernelSource::WHOLE,
         &source,
-        &buffers,
-        &writes,
+        &bindings,
         &info,
         Grid::Elements(n),
     )

@@ -1,11 +1,13 @@
-//! Tensor ops on a GPU device: elementwise kernels from `shaders/`, specialized by
-//! the op's WGSL expression. Ops without a GPU kernel yet return
+//! Tensor ops on a GPU device: recording their nodes, the WGSL expressions that
+//! specialize the elementwise kernels of `shaders/` (listed in `shaders.rs`),
+//! and the record-time size check. Ops without a GPU kernel yet return
 //! [`Error::Unsupported`] at record time.
 
-use super::fusion::{ElemOp, Input};
+use super::fusion::{ElemOp, Fuser, Input};
 use super::kernels::{BinaryOp, ReduceOp, UnaryOp};
+use super::shaders::Kernel;
 use super::{Data, Shape, Tensor};
-use crate::device::gpu::{Gpu, GpuBuffer, Grid, Kernel};
+use crate::device::gpu::{Gpu, GpuBuffer, Grid};
 use crate::device::Device;
 
 /// An operand of a fused op inside its node: a tensor's data and shape, or a
@@ -336,6 +338,22 @@ fn broadcast_info(a: &Shape, b: &Shape, out: &Shape) -> Vec<u32> {
     info
 }
 
+/// Record-time check that a tensor of `shape` fits in one buffer of `gpu`.
+pub(super) fn check_size(
+    gpu: &Gpu,
+    op: &'static str,
+    shape: &Shape,
+    location: Location,
+) -> Result<()> {
+    gpu.check_size(shape.numel())
+        .map_err(|reason| Error::InvalidArgument {
+            op,
+            shape: shape.to_string(),
+            reason,
+            location,
+        })
+}
+
 impl Tensor {
     /// The GPU this tensor lives on, or `None` on the CPU.
     pub(crate) fn gpu(&self, op: &'static str, location: Location) -> Result<Option<Arc<Gpu>>> {
@@ -374,7 +392,7 @@ impl Tensor {
         op: ElemOp,
         inputs: Vec<Operand<'_>>,
     ) -> Result<Tensor> {
-        gpu.check_size(name, &out_shape, location)?;
+        check_size(&gpu, name, &out_shape, location)?;
         let dims = out_shape.dims().to_vec();
         let n = out_shape.numel();
         let out = self.output(out_shape);
@@ -415,7 +433,7 @@ impl Tensor {
                     _ => Input::Scalar(s),
                 })
                 .collect();
-            gpu.fuse(&dims, op, inputs, o)?;
+            Fuser::fuse(&gpu, &dims, op, inputs, o)?;
             drop(self_token);
             drop(pending);
             Ok(())
@@ -436,7 +454,7 @@ impl Tensor {
             let inputs = vec![Operand::Tensor(self), Operand::Tensor(other)];
             return self.gpu_fused(gpu, name, location, out_shape, ElemOp::Binary(op), inputs);
         }
-        gpu.check_size(name, &out_shape, location)?;
+        check_size(&gpu, name, &out_shape, location)?;
         let info = broadcast_info(&self.shape, &other.shape, &out_shape);
         let expr = binary_wgsl(op, "x", "y");
         let n = out_shape.numel();
@@ -455,16 +473,16 @@ impl Tensor {
                 match &b {
                     Some(b) => {
                         let gb = b.read();
-                        gpu.dispatch(
-                            Kernel::Binary,
+                        Kernel::Binary.dispatch(
+                            &gpu,
                             &expr,
                             &[ab, gb.gpu()?, &buf],
                             &info,
                             Grid::Elements(n),
                         )?;
                     }
-                    None => gpu.dispatch(
-                        Kernel::Binary,
+                    None => Kernel::Binary.dispatch(
+                        &gpu,
                         &expr,
                         &[ab, ab, &buf],
                         &info,
@@ -491,7 +509,7 @@ impl Tensor {
             + Send
             + 'static,
     ) -> Tensor {
-        if let Err(e) = gpu.check_size(name, &out_shape, location) {
+        if let Err(e) = check_size(&gpu, name, &out_shape, location) {
             let mut out = self.poisoned(e);
             out.shape = out_shape;
             return out;
@@ -527,7 +545,7 @@ impl Tensor {
             + Send
             + 'static,
     ) -> Result<Tensor> {
-        gpu.check_size(name, &out_shape, location)?;
+        check_size(&gpu, name, &out_shape, location)?;
         let n = out_shape.numel();
         let out = self.output(out_shape);
         let mut t = self.engine().task_at(name, location);
@@ -565,7 +583,7 @@ impl Tensor {
         let n = self.numel();
         let info = [n as u32, s.to_bits()];
         self.gpu_node1(gpu, name, location, self.shape.clone(), move |g, a, out| {
-            g.dispatch(Kernel::Map, &expr, &[a, out], &info, Grid::Elements(n))
+            Kernel::Map.dispatch(g, &expr, &[a, out], &info, Grid::Elements(n))
         })
     }
 
@@ -591,8 +609,8 @@ impl Tensor {
         let outputs = outer * inner;
         let info = [outputs as u32, len as u32, inner.max(1) as u32];
         self.gpu_node1(gpu, op.name(), location, out_shape, move |g, a, out| {
-            g.dispatch(
-                Kernel::Reduce,
+            Kernel::Reduce.dispatch(
+                g,
                 &kind.to_string(),
                 &[a, out],
                 &info,
@@ -615,7 +633,7 @@ impl Tensor {
         let info = strided_info(&out_shape, src_base, src_strides, 0, &out_shape.strides());
         let n = out_shape.numel();
         self.gpu_node1(gpu, name, location, out_shape, move |g, a, out| {
-            g.dispatch(Kernel::StridedCopy, "", &[a, out], &info, Grid::Elements(n))
+            Kernel::StridedCopy.dispatch(g, "", &[a, out], &info, Grid::Elements(n))
         })
     }
 
@@ -631,7 +649,7 @@ impl Tensor {
         out_shape: Shape,
         location: Location,
     ) -> Result<Tensor> {
-        gpu.check_size("matmul", &out_shape, location)?;
+        check_size(&gpu, "matmul", &out_shape, location)?;
         let out = self.output(out_shape);
         let mut t = self.engine().task_at("matmul", location);
         t.device(self.device);
@@ -649,9 +667,9 @@ impl Tensor {
                 match &b {
                     Some(b) => {
                         let gb = b.read();
-                        gpu.dispatch(Kernel::Matmul, "", &[ab, gb.gpu()?, &buf], &info, grid)?;
+                        Kernel::Matmul.dispatch(&gpu, "", &[ab, gb.gpu()?, &buf], &info, grid)?;
                     }
-                    None => gpu.dispatch(Kernel::Matmul, "", &[ab, ab, &buf], &info, grid)?,
+                    None => Kernel::Matmul.dispatch(&gpu, "", &[ab, ab, &buf], &info, grid)?,
                 }
             }
             *o.write() = Data::Gpu(buf);
@@ -670,7 +688,7 @@ impl Tensor {
         out_shape: Shape,
         location: Location,
     ) -> Result<Tensor> {
-        gpu.check_size("concat", &out_shape, location)?;
+        check_size(&gpu, "concat", &out_shape, location)?;
         let first = tensors[0];
         let out = first.output(out_shape.clone());
         let mut task = first.engine().task_at("concat", location);
@@ -695,8 +713,8 @@ impl Tensor {
         task.push_fallible(move || {
             let buf = gpu.alloc(total)?;
             for (r, info, n) in &parts {
-                gpu.dispatch(
-                    Kernel::StridedCopy,
+                Kernel::StridedCopy.dispatch(
+                    &gpu,
                     "",
                     &[r.read().gpu()?, &buf],
                     info,
@@ -738,12 +756,12 @@ impl Tensor {
         t.push_fallible(move || {
             // Encode pending fused ops first: they may read this buffer, and
             // the fuser must not wait for the write lock taken here.
-            gpu.encode_fused()?;
+            gpu.encode_deferred()?;
             let guard = w.write();
             let ab = guard.gpu()?;
             match &b {
-                Some(b) => gpu.dispatch(
-                    Kernel::Inplace,
+                Some(b) => Kernel::Inplace.dispatch(
+                    &gpu,
                     &expr,
                     &[ab, b.read().gpu()?],
                     &info,
@@ -753,13 +771,7 @@ impl Tensor {
                     // A buffer cannot be bound read-only and read-write at once.
                     let copy = gpu.alloc(nb)?;
                     gpu.copy(ab, &copy, (nb * 4) as u64)?;
-                    gpu.dispatch(
-                        Kernel::Inplace,
-                        &expr,
-                        &[ab, &copy],
-                        &info,
-                        Grid::Elements(n),
-                    )?
+                    Kernel::Inplace.dispatch(&gpu, &expr, &[ab, &copy], &info, Grid::Elements(n))?
                 }
             }
             drop(pending);
@@ -789,19 +801,13 @@ impl Tensor {
         let pending = gpu.expect_node();
         // Cannot fail: one Var of this engine.
         let _ = t.push_fallible(move || {
-            gpu.encode_fused()?;
+            gpu.encode_deferred()?;
             let mut guard = w.write();
             if !matches!(&*guard, Data::Gpu(_)) {
                 // A poisoned or never-computed target: give it a buffer.
                 *guard = Data::Gpu(gpu.alloc(n)?);
             }
-            gpu.dispatch(
-                Kernel::InplaceMap,
-                &expr,
-                &[guard.gpu()?],
-                &info,
-                Grid::Elements(n),
-            )?;
+            Kernel::InplaceMap.dispatch(&gpu, &expr, &[guard.gpu()?], &info, Grid::Elements(n))?;
             drop(pending);
             Ok(())
         });
@@ -887,6 +893,12 @@ mod tests {
     fn every_shader_specialization_validates() {
         let specs = all_specializations();
         assert!(specs.len() >= 13 * 5 + 8 * 2 + 8);
+        for kernel in Kernel::ALL {
+            assert!(
+                specs.iter().any(|(k, _)| *k == kernel),
+                "{kernel:?} is never validated"
+            );
+        }
         for (kernel, expr) in specs {
             let source = kernel.specialize(&expr);
             assert!(

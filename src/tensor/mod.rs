@@ -21,6 +21,7 @@ pub(crate) mod kernels;
 pub(crate) mod nn_kernels;
 mod nn_ops;
 mod ops;
+mod shaders;
 mod shape;
 mod user_kernel;
 
@@ -471,7 +472,7 @@ impl Tensor {
         let (src, dst) = (gpu_of(self.device)?, gpu_of(device)?);
         let n = self.numel();
         if let Some(g) = &dst {
-            g.check_size("to", &self.shape, location)?;
+            gpu_ops::check_size(g, "to", &self.shape, location)?;
         }
         let out = Tensor {
             shape: self.shape.clone(),

@@ -1,7 +1,8 @@
-//! A user's own WGSL kernel, recorded as a node with declared reads and writes.
+//! A user's own WGSL kernel, recorded as a node with declared reads and writes
+//! and dispatched through the device's generic kernel path.
 
 use super::{Data, Tensor};
-use crate::device::gpu::{GpuBuffer, Grid, Kernel};
+use crate::device::gpu::{Access, GpuBuffer, Grid, KernelSource};
 use crate::device::Device;
 use crate::engine::Engine;
 use crate::error::{Error, Location, Result};
@@ -152,19 +153,17 @@ impl KernelBuilder<'_> {
                 all.push((*i, g.gpu()?));
             }
             all.sort_by_key(|(i, _)| *i);
-            let written: Vec<usize> = all
-                .iter()
-                .enumerate()
-                .filter(|(_, (i, _))| writes.iter().any(|(w, _, _)| w == i))
-                .map(|(pos, _)| pos)
+            let bindings: Vec<(&GpuBuffer, Access)> = all
+                .into_iter()
+                .map(|(i, b)| {
+                    let written = writes.iter().any(|(w, _, _)| *w == i);
+                    (b, if written { Access::Write } else { Access::Read })
+                })
                 .collect();
-            let buffers: Vec<&GpuBuffer> = all.into_iter().map(|(_, b)| b).collect();
-            gpu.encode_fused()?;
-            gpu.dispatch_writing(
-                Kernel::User,
+            gpu.dispatch(
+                KernelSource::WHOLE,
                 &source,
-                &buffers,
-                &written,
+                &bindings,
                 &[],
                 Grid::Exact(x, y, z),
             )?;
