@@ -13,7 +13,7 @@ pub(crate) use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Locks a mutex, ignoring poisoning: every critical section in the engine leaves
 /// its data consistent before anything in it can panic, and user code never runs
-/// under an engine lock.
+/// under an engine-internal lock.
 #[inline]
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {

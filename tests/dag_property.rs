@@ -5,6 +5,12 @@
 //! observed on every Var it reads. Final values, write logs, observations and the
 //! values seen by blockers interleaved with the recording must all equal what a
 //! sequential interpreter computes, in every mode and with 1, 2 and 4 workers.
+//!
+//! A second property runs four such programs at once, from four frontend threads
+//! recording into one engine: each must still match its own sequential run, and
+//! a counter that every writing task of every thread bumps (read, then write,
+//! through separate guards, so that two bumps run at once would lose one) must
+//! count them all.
 
 use lazyflow::{Engine, Mode, Var};
 use proptest::prelude::*;
@@ -66,7 +72,12 @@ fn sequential(n_vars: usize, steps: &[Step]) -> (Vec<Cell>, Vec<Seen>, Vec<Cell>
     (cells, seen, reads)
 }
 
-fn run_engine(engine: &Engine, n_vars: usize, steps: &[Step]) -> (Vec<Cell>, Vec<Seen>, Vec<Cell>) {
+fn run_engine(
+    engine: &Engine,
+    n_vars: usize,
+    steps: &[Step],
+    counter: Option<&Var<u64>>,
+) -> (Vec<Cell>, Vec<Seen>, Vec<Cell>) {
     let vars: Vec<Var<Cell>> = (0..n_vars).map(|_| engine.var(Cell::default())).collect();
     let n_tasks = steps
         .iter()
@@ -89,8 +100,14 @@ fn run_engine(engine: &Engine, n_vars: usize, steps: &[Step]) -> (Vec<Cell>, Vec
                     .map(|&v| (v, t.read(&vars[v])))
                     .collect();
                 let wtok: Vec<_> = w.iter().map(|&v| (v, t.write(&vars[v]))).collect();
+                let bump = counter.filter(|_| !w.is_empty()).map(|c| t.write(c));
                 let (r, seen, slot) = (r.clone(), seen.clone(), task_no);
                 t.push(move || {
+                    if let Some(c) = &bump {
+                        let old = *c.read();
+                        std::thread::yield_now();
+                        *c.write() = old + 1;
+                    }
                     let mut s = Vec::new();
                     let mut vals = Vec::new();
                     for v in &r {
@@ -167,10 +184,67 @@ proptest! {
     fn random_dags_match_sequential_execution((n_vars, steps) in program()) {
         let expected = sequential(n_vars, &steps);
         for engine in engines() {
-            let got = run_engine(engine, n_vars, &steps);
+            let got = run_engine(engine, n_vars, &steps, None);
             prop_assert_eq!(&got, &expected, "mode {:?}, {} workers", engine.mode(), engine.workers());
             let stats = engine.stats();
             prop_assert_eq!(stats.live_nodes, 0);
+        }
+    }
+}
+
+fn shared_engines() -> &'static Vec<Engine> {
+    static ENGINES: OnceLock<Vec<Engine>> = OnceLock::new();
+    ENGINES.get_or_init(|| {
+        [Mode::Lazy, Mode::Async, Mode::Sync]
+            .into_iter()
+            .map(|mode| {
+                Engine::builder()
+                    .mode(mode)
+                    .workers(2)
+                    .backpressure(16, 4)
+                    .build()
+                    .unwrap()
+            })
+            .collect()
+    })
+}
+
+fn writing_tasks(steps: &[Step]) -> u64 {
+    steps
+        .iter()
+        .filter(|s| matches!(s, Step::Task { writes, .. } if !writes.is_empty()))
+        .count() as u64
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(
+        std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256) / 4
+    ))]
+
+    #[test]
+    fn four_frontends_recording_at_once_match_sequential_execution(
+        programs in proptest::collection::vec(program(), 4)
+    ) {
+        for engine in shared_engines() {
+            let counter = engine.var(0u64);
+            let results: Vec<_> = std::thread::scope(|s| {
+                let handles: Vec<_> = programs
+                    .iter()
+                    .map(|(n_vars, steps)| {
+                        let counter = &counter;
+                        s.spawn(move || run_engine(engine, *n_vars, steps, Some(counter)))
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for ((n_vars, steps), got) in programs.iter().zip(&results) {
+                let expected = sequential(*n_vars, steps);
+                prop_assert_eq!(got, &expected, "mode {:?}", engine.mode());
+            }
+            let total: u64 = programs.iter().map(|(_, steps)| writing_tasks(steps)).sum();
+            prop_assert_eq!(counter.get().unwrap(), total, "mode {:?}", engine.mode());
+            engine.wait_all().unwrap();
+            prop_assert_eq!(engine.stats().live_nodes, 0);
         }
     }
 }
