@@ -33,9 +33,12 @@ pub struct TaskBuilder<'e> {
     meta: NodeMeta,
     /// The Vars named, each with whether it is read and written; the handles
     /// stay alive until the task is recorded.
-    vars: SmallVec<[(Arc<dyn Tracked>, bool, bool); 4]>,
+    vars: SmallVec<[Declared; 4]>,
     mismatch: bool,
 }
+
+/// A Var a task names: its handle, whether it is read, whether it is written.
+type Declared = (Arc<dyn Tracked>, bool, bool);
 
 /// A recorded task that can be waited on.
 #[derive(Clone)]

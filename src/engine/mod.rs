@@ -710,10 +710,7 @@ impl Shared {
     #[cold]
     fn help_until(&self, targets: &[NodeRef], allowed: &std::collections::HashMap<usize, NodeRef>) {
         let mut others = Vec::new();
-        loop {
-            let Some(waiting) = targets.iter().find(|t| !t.is_done()) else {
-                break;
-            };
+        while let Some(waiting) = targets.iter().find(|t| !t.is_done()) {
             let mut ran = false;
             while let Some(node) = self.pool.find_work() {
                 if allowed.contains_key(&node.key()) {

@@ -56,7 +56,7 @@ fn raw_war_waw_edges() {
     let r2 = rec("r2", &[&x], &[], 3);
     let w2 = rec("w2", &[], &[&x], 4);
     // Demanding w2 demands everything it must wait for: w1 (WAW), r1 and r2 (WAR).
-    assert_eq!(demanded(&[w2.clone()]), vec![1]);
+    assert_eq!(demanded(std::slice::from_ref(&w2)), vec![1]);
     assert_eq!(jobs(finish(&w1, Outcome::Done)), vec![2, 3]);
     assert!(
         finish(&r1, Outcome::Done).is_empty(),
@@ -72,7 +72,7 @@ fn targeted_demand_leaves_unrelated_nodes() {
     let (x, y) = (Q::default(), Q::default());
     let a = rec("a", &[], &[&x], 1);
     let b = rec("b", &[], &[&y], 2);
-    assert_eq!(demanded(&[a.clone()]), vec![1]);
+    assert_eq!(demanded(std::slice::from_ref(&a)), vec![1]);
     // Demanding again hands out nothing new.
     assert!(demanded(&[a]).is_empty());
     assert!(!b.is_demanded());
@@ -123,13 +123,13 @@ fn failure_skips_readers_and_poisons_outputs() {
     // A later read of the poisoned Var is skipped at record time.
     let d = rec("d", &[&y], &[], 4);
     let mut ready = Vec::new();
-    demand(&[d.clone()], &mut |r| ready.push(r));
+    demand(std::slice::from_ref(&d), &mut |r| ready.push(r));
     let (_, skip) = ready[0].take_job().unwrap();
     assert!(skip.is_some());
     finish(&d, Outcome::Skipped(skip.unwrap()));
     // A later plain write clears the poison once it succeeds.
     let e = rec("e", &[], &[&y], 5);
-    demanded(&[e.clone()]);
+    demanded(std::slice::from_ref(&e));
     finish(&e, Outcome::Done);
     assert!(y.poison().is_none());
 }
@@ -140,7 +140,7 @@ fn a_writer_that_fails_before_its_reader_joins_still_skips_it() {
     // Var's queue, not from the writer's dependent list.
     let x = Q::default();
     let a = rec("a", &[], &[&x], 1);
-    demanded(&[a.clone()]);
+    demanded(std::slice::from_ref(&a));
     finish(&a, Outcome::Failed("early".into()));
     let b = rec("b", &[&x], &[], 2);
     let mut ready = Vec::new();
@@ -164,7 +164,7 @@ fn readers_are_pruned() {
     let x = Q::default();
     for i in 0..1000 {
         let r = rec("r", &[&x], &[], i);
-        demanded(&[r.clone()]);
+        demanded(std::slice::from_ref(&r));
         finish(&r, Outcome::Done);
     }
     assert!(lock(&x.inner).readers.len() <= 2 * PRUNE_MIN);
@@ -175,7 +175,7 @@ fn a_var_read_and_written_is_one_access() {
     let x = Q::default();
     let a = rec("a", &[&x], &[&x], 1);
     let b = rec("b", &[&x], &[&x], 2);
-    assert_eq!(demanded(&[b.clone()]), vec![1]);
+    assert_eq!(demanded(std::slice::from_ref(&b)), vec![1]);
     assert_eq!(jobs(finish(&a, Outcome::Done)), vec![2]);
     finish(&b, Outcome::Done);
 }
@@ -198,7 +198,7 @@ fn ancestors_walk_the_dependency_lists() {
     let b = rec("b", &[&x], &[&y], 2);
     let c = rec("c", &[], &[&z], 3);
     let d = rec("d", &[&y], &[], 4);
-    let an = ancestors(&[d.clone()]);
+    let an = ancestors(std::slice::from_ref(&d));
     let keys = |v: &[&NodeRef<u32>]| {
         v.iter()
             .map(|n| n.key())
@@ -212,10 +212,10 @@ fn ancestors_walk_the_dependency_lists() {
     assert!(an.values().any(|n| n.writes(x.key())));
     assert!(!an.values().any(|n| n.writes(z.key())));
     // Finished nodes leave the walk.
-    demanded(&[a.clone()]);
+    demanded(std::slice::from_ref(&a));
     finish(&a, Outcome::Done);
     assert_eq!(
-        ancestors(&[d.clone()])
+        ancestors(std::slice::from_ref(&d))
             .keys()
             .copied()
             .collect::<std::collections::HashSet<_>>(),
@@ -229,7 +229,7 @@ fn a_waiter_is_woken_by_the_completion() {
     let a = rec("a", &[], &[&x], 1);
     let latch = Arc::new(Latch::default());
     assert!(a.add_waiter(&latch));
-    demanded(&[a.clone()]);
+    demanded(std::slice::from_ref(&a));
     finish(&a, Outcome::Done);
     latch.wait();
     assert!(!a.add_waiter(&latch), "a finished node takes no waiters");
