@@ -710,6 +710,7 @@ impl Shared {
     #[cold]
     fn help_until(&self, targets: &[NodeRef], allowed: &std::collections::HashMap<usize, NodeRef>) {
         let mut others = Vec::new();
+        let mut napping: Option<(usize, crate::sync::Arc<Latch>)> = None;
         while let Some(waiting) = targets.iter().find(|t| !t.is_done()) {
             let mut ran = false;
             while let Some(node) = self.pool.find_work() {
@@ -732,8 +733,19 @@ impl Shared {
             if ran {
                 continue;
             }
-            let latch = crate::sync::Arc::new(Latch::default());
-            if waiting.add_waiter(&latch) {
+            // One latch per target for the whole wait: registering a new one
+            // at every nap would grow the node's waiter list for as long as
+            // the wait lasts.
+            let latch = match &napping {
+                Some((key, latch)) if *key == waiting.key() => Some(latch.clone()),
+                _ => {
+                    let latch = crate::sync::Arc::new(Latch::default());
+                    let registered = waiting.add_waiter(&latch);
+                    napping = Some((waiting.key(), latch.clone()));
+                    registered.then_some(latch)
+                }
+            };
+            if let Some(latch) = latch {
                 latch.wait_timeout(Duration::from_micros(200));
             }
         }
