@@ -151,7 +151,7 @@ impl<'e> TaskBuilder<'e> {
         f: impl FnOnce() -> std::result::Result<(), E> + Send + 'static,
     ) -> Result<TaskHandle> {
         let engine = self.engine.uncounted();
-        let node = self.record(Box::new(move || f().map_err(|e| e.to_string())))?;
+        let node = self.record(move || f().map_err(|e| e.to_string()))?;
         if engine.mode() == Mode::Sync {
             if let Some(err) = node.error() {
                 return Err((*err).clone());
@@ -163,10 +163,10 @@ impl<'e> TaskBuilder<'e> {
     /// Records the task without a handle (the cheapest way; failures surface at the
     /// blockers of the Vars it writes).
     pub fn push(self, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        self.record(Box::new(move || {
+        self.record(move || {
             f();
             Ok(())
-        }))
+        })
         .map(drop)
     }
 
@@ -175,11 +175,14 @@ impl<'e> TaskBuilder<'e> {
         self,
         f: impl FnOnce() -> std::result::Result<(), String> + Send + 'static,
     ) -> Result<()> {
-        self.record(Box::new(f)).map(drop)
+        self.record(f).map(drop)
     }
 
     #[inline]
-    fn record(self, job: crate::engine::Job) -> Result<NodeRef> {
+    fn record<F>(self, f: F) -> Result<NodeRef>
+    where
+        F: FnOnce() -> std::result::Result<(), String> + Send + 'static,
+    {
         if self.mismatch {
             return Err(crate::error::Error::EngineMismatch {
                 op: self.meta.name,
@@ -195,6 +198,6 @@ impl<'e> TaskBuilder<'e> {
                 write: *write,
             })
             .collect();
-        self.engine.shared().record(self.meta, &mut accesses, job)
+        self.engine.shared().record(self.meta, &mut accesses, f)
     }
 }

@@ -14,6 +14,7 @@
 mod builder;
 mod deadlock;
 mod life;
+mod recycle;
 mod registry;
 mod stats;
 
@@ -35,8 +36,53 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// What a node does when it runs: `Err` fails it with the message.
-pub(crate) type Job = Box<dyn FnOnce() -> std::result::Result<(), String> + Send>;
+/// What a node does when it runs: `Err` fails it with the message. Boxed once
+/// and called through `&mut`, so that the box outlives the call: a node recorded
+/// later in the same memory (see `recycle.rs`) puts its closure in the same box
+/// when it has the same type (the same call site), and allocates nothing.
+pub(crate) type Job = Box<dyn Body>;
+
+/// A job's closure in its box.
+pub(crate) trait Body: Send + 'static {
+    /// Takes the closure out and calls it (once; later calls do nothing).
+    fn call(&mut self) -> std::result::Result<(), String>;
+    /// Drops the closure without calling it (a skipped node).
+    fn clear(&mut self);
+    fn as_any(&mut self) -> &mut dyn std::any::Any;
+}
+
+struct Slot<F>(Option<F>);
+
+impl<F: FnOnce() -> std::result::Result<(), String> + Send + 'static> Body for Slot<F> {
+    fn call(&mut self) -> std::result::Result<(), String> {
+        match self.0.take() {
+            Some(f) => f(),
+            None => Ok(()),
+        }
+    }
+
+    fn clear(&mut self) {
+        self.0 = None;
+    }
+
+    fn as_any(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// Boxes `f` as a job, in `spent`'s box if that held a closure of the same type.
+pub(crate) fn job<F>(f: F, spent: Option<Job>) -> Job
+where
+    F: FnOnce() -> std::result::Result<(), String> + Send + 'static,
+{
+    if let Some(mut b) = spent {
+        if let Some(slot) = b.as_any().downcast_mut::<Slot<F>>() {
+            slot.0 = Some(f);
+            return b;
+        }
+    }
+    Box::new(Slot(Some(f)))
+}
 /// A node of this engine's graph.
 pub(crate) type NodeRef = graph::NodeRef<Job>;
 /// The access queue of one Var.
@@ -456,8 +502,8 @@ impl Host for Shared {
     /// Runs a node and completes it; returns the first dependent it released.
     #[inline]
     fn run(&self, node: NodeRef) -> Option<NodeRef> {
-        let outcome = execute(&node);
-        self.complete(&node, outcome)
+        let (outcome, spent) = execute(&node);
+        self.complete(&node, outcome, spent)
     }
 
     fn may_exit(&self) -> bool {
@@ -466,26 +512,29 @@ impl Host for Shared {
 }
 
 /// Runs a node's job on this thread (or skips it when an input is poisoned),
-/// catching panics.
-fn execute(node: &NodeRef) -> Outcome {
-    let Some((job, skip)) = node.take_job() else {
+/// catching panics. Returns how it ended and the spent job, to keep with the node.
+fn execute(node: &NodeRef) -> (Outcome, Option<Job>) {
+    let Some((mut job, skip)) = node.take_job() else {
         // Unreachable: a node is handed out once.
-        return Outcome::Failed("the node's job was taken twice".into());
+        return (
+            Outcome::Failed("the node's job was taken twice".into()),
+            None,
+        );
     };
     if let Some(err) = skip {
         // The closure's captures are dropped without running it; a panicking
         // Drop must not take the worker down with it.
-        let _ = catch_unwind(AssertUnwindSafe(move || drop(job)));
-        return Outcome::Skipped(err);
+        let _ = catch_unwind(AssertUnwindSafe(|| job.clear()));
+        return (Outcome::Skipped(err), Some(job));
     }
     let running = Running::enter(RunningOp {
         key: node.key(),
         name: node.meta.name,
         location: node.meta.location,
     });
-    let result = catch_unwind(AssertUnwindSafe(job));
+    let result = catch_unwind(AssertUnwindSafe(|| job.call()));
     drop(running);
-    match result {
+    let outcome = match result {
         Ok(Ok(())) => Outcome::Done,
         Ok(Err(message)) => Outcome::Failed(message),
         Err(payload) => {
@@ -494,7 +543,8 @@ fn execute(node: &NodeRef) -> Outcome {
             let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
             Outcome::Failed(message)
         }
-    }
+    };
+    (outcome, Some(job))
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
@@ -534,11 +584,29 @@ impl Shared {
     /// Sync waits for it); in Lazy mode it waits for a demand. Stalls at the
     /// backpressure high mark (frontend threads only: a worker never waits
     /// there). Returns the node (task handles wait on it).
-    pub(crate) fn record(
+    pub(crate) fn record<F>(
+        &self,
+        meta: NodeMeta,
+        accesses: &mut SmallVec<[Access<'_>; 4]>,
+        f: F,
+    ) -> Result<NodeRef>
+    where
+        F: FnOnce() -> std::result::Result<(), String> + Send + 'static,
+    {
+        let spare = recycle::take().and_then(graph::reclaim);
+        let (spare, spent) = match spare {
+            Some((node, spent)) => (Some(node), spent),
+            None => (None, None),
+        };
+        self.record_job(meta, accesses, job(f, spent), spare)
+    }
+
+    fn record_job(
         &self,
         meta: NodeMeta,
         accesses: &mut SmallVec<[Access<'_>; 4]>,
         job: Job,
+        spare: Option<NodeRef>,
     ) -> Result<NodeRef> {
         let mode = self.config.mode;
         if self.live.load(Ordering::Relaxed) >= self.config.high && !self.on_worker() {
@@ -550,7 +618,8 @@ impl Shared {
         }
         self.counters.recorded.fetch_add(1, Ordering::Relaxed);
         let lazy = mode == Mode::Lazy;
-        let (node, ready) = graph::record(meta, accesses, job, !lazy);
+        let (node, ready) = graph::record(meta, accesses, job, !lazy, spare);
+        recycle::keep(&node);
         if ready {
             self.pool.publish(node.clone());
             self.pool.wake(1);
@@ -605,7 +674,7 @@ impl Shared {
     /// Completes a node that ran: releases its dependents (the first one is
     /// returned for this thread to run next, the others are published) and
     /// wakes whoever waits for it or for the graph to drain.
-    fn complete(&self, node: &NodeRef, outcome: Outcome) -> Option<NodeRef> {
+    fn complete(&self, node: &NodeRef, outcome: Outcome, spent: Option<Job>) -> Option<NodeRef> {
         match &outcome {
             Outcome::Done => {}
             Outcome::Failed(_) => {
@@ -617,7 +686,7 @@ impl Shared {
         }
         let mut next = None;
         let mut pushed = 0;
-        let waiters = graph::complete(node, outcome, &mut |r| {
+        let waiters = graph::complete(node, outcome, spent, &mut |r| {
             if next.is_none() {
                 next = Some(r);
             } else {
@@ -655,6 +724,9 @@ impl Shared {
             .wait_until(|| self.live.load(Ordering::SeqCst) <= self.resume_at);
         if lazy {
             self.global_demand.fetch_sub(1, Ordering::SeqCst);
+            // Let go of the finished nodes now, so that their memory is free
+            // for the next ones (see `recycle.rs`).
+            self.undemanded.for_each(|_| {});
         }
     }
 
@@ -697,6 +769,8 @@ impl Shared {
         self.drained
             .wait_until(|| self.live.load(Ordering::SeqCst) == 0);
         self.global_demand.fetch_sub(1, Ordering::SeqCst);
+        self.undemanded.for_each(|_| {});
+        recycle::trim();
         Ok(())
     }
 
@@ -759,8 +833,8 @@ impl Shared {
         allowed: &std::collections::HashMap<usize, NodeRef>,
     ) {
         loop {
-            let outcome = execute(&node);
-            match self.complete(&node, outcome) {
+            let (outcome, spent) = execute(&node);
+            match self.complete(&node, outcome, spent) {
                 Some(next) if allowed.contains_key(&next.key()) => node = next,
                 Some(next) => {
                     self.pool.publish(next);
@@ -770,5 +844,52 @@ impl Shared {
                 None => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{job, Job};
+
+    fn addr(j: &Job) -> *const () {
+        &**j as *const dyn super::Body as *const ()
+    }
+
+    fn counting(hits: &std::sync::Arc<std::sync::atomic::AtomicU32>) -> Job {
+        let h = hits.clone();
+        job(
+            move || {
+                h.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            },
+            None,
+        )
+    }
+
+    #[test]
+    fn a_spent_job_box_holds_the_next_closure_of_its_type() {
+        let make = |n: u32, spent: Option<Job>| job(move || Err(format!("{n}")), spent);
+        let mut first = make(1, None);
+        assert_eq!(first.call(), Err("1".to_string()));
+        // Called once: the closure is gone.
+        assert_eq!(first.call(), Ok(()));
+        let at = addr(&first);
+        let mut second = make(2, Some(first));
+        assert_eq!(addr(&second), at, "same type: same box");
+        assert_eq!(second.call(), Err("2".to_string()));
+        // Another closure type gets a box of its own (the spent one is freed).
+        let mut third = job(|| Err("3".to_string()), Some(second));
+        assert_eq!(third.call(), Err("3".to_string()));
+    }
+
+    #[test]
+    fn a_cleared_job_drops_its_closure_uncalled() {
+        let hits = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let mut j = counting(&hits);
+        assert_eq!(std::sync::Arc::strong_count(&hits), 2);
+        j.clear();
+        assert_eq!(std::sync::Arc::strong_count(&hits), 1, "captures dropped");
+        assert_eq!(j.call(), Ok(()));
+        assert_eq!(hits.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 }

@@ -25,8 +25,8 @@ fn access(var: &VarQueue<u32>, read: bool, write: bool) -> SmallVec<[Access<'_, 
 fn the_dependency_count_hands_a_node_out_once() {
     loom::model(|| {
         let (x, y) = (VarQueue::<u32>::default(), VarQueue::<u32>::default());
-        let (a, ready_a) = record(meta("a"), &mut access(&x, false, true), 1, true);
-        let (b, ready_b) = record(meta("b"), &mut access(&y, false, true), 2, true);
+        let (a, ready_a) = record(meta("a"), &mut access(&x, false, true), 1, true, None);
+        let (b, ready_b) = record(meta("b"), &mut access(&y, false, true), 2, true, None);
         assert!(ready_a && ready_b);
         let mut both = access(&x, true, false);
         both.push(Access {
@@ -34,17 +34,17 @@ fn the_dependency_count_hands_a_node_out_once() {
             read: true,
             write: false,
         });
-        let (c, ready_c) = record(meta("c"), &mut both, 3, true);
+        let (c, ready_c) = record(meta("c"), &mut both, 3, true, None);
         assert!(!ready_c);
         let handed = Arc::new(AtomicUsize::new(0));
         let (a2, h2) = (a.clone(), handed.clone());
         let t = loom::thread::spawn(move || {
-            complete(&a2, Outcome::Done, &mut |_| {
+            complete(&a2, Outcome::Done, None, &mut |_| {
                 h2.fetch_add(1, Ordering::SeqCst);
             })
             .wake();
         });
-        complete(&b, Outcome::Done, &mut |_| {
+        complete(&b, Outcome::Done, None, &mut |_| {
             handed.fetch_add(1, Ordering::SeqCst);
         })
         .wake();
@@ -61,19 +61,22 @@ fn the_dependency_count_hands_a_node_out_once() {
 fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
     loom::model(|| {
         let x = Arc::new(VarQueue::<u32>::default());
-        let (w, ready) = record(meta("w"), &mut access(&x, false, true), 1, true);
+        let (w, ready) = record(meta("w"), &mut access(&x, false, true), 1, true, None);
         assert!(ready);
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
         let t = loom::thread::spawn(move || {
             let mut got = None;
-            complete(&w2, Outcome::Failed("boom".into()), &mut |r| got = Some(r)).wake();
+            complete(&w2, Outcome::Failed("boom".into()), None, &mut |r| {
+                got = Some(r)
+            })
+            .wake();
             if got.is_some() {
                 h2.fetch_add(1, Ordering::SeqCst);
             }
             got
         });
-        let (r, ready) = record(meta("r"), &mut access(&x, true, false), 2, true);
+        let (r, ready) = record(meta("r"), &mut access(&x, true, false), 2, true, None);
         if ready {
             handed.fetch_add(1, Ordering::SeqCst);
         }
@@ -105,7 +108,7 @@ fn crossed_records_never_wire_a_cycle() {
                 read: false,
                 write: true,
             });
-            record(meta("n1"), &mut a, 1, true)
+            record(meta("n1"), &mut a, 1, true, None)
         });
         let mut a = access(&y, true, false);
         a.push(Access {
@@ -113,13 +116,13 @@ fn crossed_records_never_wire_a_cycle() {
             read: false,
             write: true,
         });
-        let (n2, ready2) = record(meta("n2"), &mut a, 2, true);
+        let (n2, ready2) = record(meta("n2"), &mut a, 2, true, None);
         let (n1, ready1) = t.join().unwrap();
         // Exactly one is ready; completing it releases the other.
         assert!(ready1 ^ ready2);
         let (first, second) = if ready1 { (n1, n2) } else { (n2, n1) };
         let mut released = Vec::new();
-        complete(&first, Outcome::Done, &mut |r| released.push(r)).wake();
+        complete(&first, Outcome::Done, None, &mut |r| released.push(r)).wake();
         assert_eq!(released.len(), 1);
         assert!(Arc::ptr_eq(&released[0], &second));
     });
@@ -132,10 +135,10 @@ fn crossed_records_never_wire_a_cycle() {
 fn the_blocker_latch_is_never_missed() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (n, _) = record(meta("n"), &mut access(&x, false, true), 1, true);
+        let (n, _) = record(meta("n"), &mut access(&x, false, true), 1, true, None);
         let n2 = n.clone();
         let t = loom::thread::spawn(move || {
-            complete(&n2, Outcome::Done, &mut |_| {}).wake();
+            complete(&n2, Outcome::Done, None, &mut |_| {}).wake();
         });
         let latch = Arc::new(Latch::default());
         if n.add_waiter(&latch) {
@@ -152,14 +155,14 @@ fn the_blocker_latch_is_never_missed() {
 fn demand_racing_with_completion_hands_out_once() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (w, ready) = record(meta("w"), &mut access(&x, false, true), 1, true);
+        let (w, ready) = record(meta("w"), &mut access(&x, false, true), 1, true, None);
         assert!(ready);
-        let (r, ready) = record(meta("r"), &mut access(&x, true, false), 2, false);
+        let (r, ready) = record(meta("r"), &mut access(&x, true, false), 2, false, None);
         assert!(!ready);
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
         let t = loom::thread::spawn(move || {
-            complete(&w2, Outcome::Done, &mut |_| {
+            complete(&w2, Outcome::Done, None, &mut |_| {
                 h2.fetch_add(1, Ordering::SeqCst);
             })
             .wake();
@@ -169,5 +172,41 @@ fn demand_racing_with_completion_hands_out_once() {
         });
         t.join().unwrap();
         assert_eq!(handed.load(Ordering::SeqCst), 1);
+    });
+}
+
+/// A node completes and its last other reference goes away on another thread
+/// while the recorder tries to reclaim it: it is reclaimed only once nobody
+/// else holds it and it finished, and its spent job comes with it.
+#[test]
+fn a_node_is_reclaimed_only_once_finished_and_let_go() {
+    loom::model(|| {
+        let x = VarQueue::<u32>::default();
+        let (n, ready) = record(meta("n"), &mut access(&x, false, true), 1, true, None);
+        assert!(ready);
+        // Dropping the Var lets go of its reference (as its last writer): the
+        // worker's and the recorder's are the only ones left.
+        drop(x);
+        let worker = n.clone();
+        let t = loom::thread::spawn(move || {
+            let (job, _) = worker.take_job().unwrap();
+            complete(&worker, Outcome::Done, Some(job * 10), &mut |_| {}).wake();
+            drop(worker);
+        });
+        if let Some((spare, spent)) = reclaim(n) {
+            assert!(spare.is_done());
+            assert_eq!(spent, Some(10));
+            let y = VarQueue::<u32>::default();
+            let (m, ready) = record(
+                meta("m"),
+                &mut access(&y, false, true),
+                2,
+                true,
+                Some(spare),
+            );
+            assert!(ready && !m.is_done());
+            assert_eq!(m.take_job().unwrap().0, 2);
+        }
+        t.join().unwrap();
     });
 }

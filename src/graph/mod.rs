@@ -91,6 +91,9 @@ pub(crate) struct Node<J> {
 struct State<J> {
     /// `None` once handed out.
     job: Option<J>,
+    /// The job after it ran, given back by [`complete`]: its allocation may hold
+    /// the job of the next node recorded in this node's memory (see [`reclaim`]).
+    spent: Option<J>,
     /// The failure of an input: the node is skipped instead of run.
     skip: Option<SharedError>,
     /// The node's own failure, once it completed.
@@ -266,12 +269,17 @@ pub(crate) struct Access<'a, J> {
 /// and Sync modes, where every earlier node was demanded too); otherwise it waits
 /// for [`demand`].
 ///
+/// `spare`: a finished node nothing else refers to any more, whose memory the
+/// new node reuses (see `engine/recycle.rs`); it is checked here, and a node
+/// still shared is left alone and a new one allocated.
+///
 /// Returns the node and whether it is ready now (the caller hands it out).
 pub(crate) fn record<J>(
     meta: NodeMeta,
     accesses: &mut SmallVec<[Access<'_, J>; 4]>,
     job: J,
     demanded: bool,
+    spare: Option<NodeRef<J>>,
 ) -> (NodeRef<J>, bool) {
     // Address order, duplicates merged: every recorder locks shared Vars in the
     // same order, so two records that share Vars are serialized, never crossed.
@@ -321,7 +329,7 @@ pub(crate) fn record<J>(
         .map(|a| a.var.key())
         .collect();
     let hold = deps.len() as u32 + RECORDING + if demanded { 0 } else { UNDEMANDED };
-    let node = Arc::new(Node {
+    let fresh = Node {
         meta,
         pending: AtomicU32::new(hold),
         demanded: AtomicBool::new(demanded),
@@ -330,13 +338,24 @@ pub(crate) fn record<J>(
         writes,
         state: Mutex::new(State {
             job: Some(job),
+            spent: None,
             skip,
             err: None,
             deps: deps.iter().map(|(d, _)| d.clone()).collect(),
             dependents: SmallVec::new(),
             waiters: SmallVec::new(),
         }),
-    });
+    };
+    let node = match spare {
+        Some(mut n) => match Arc::get_mut(&mut n) {
+            Some(slot) if slot.done.load(Ordering::Relaxed) => {
+                *slot = fresh;
+                n
+            }
+            _ => Arc::new(fresh),
+        },
+        None => Arc::new(fresh),
+    };
     for (a, v) in accesses.iter().zip(guards.iter_mut()) {
         if a.write {
             v.last_writer = Some(node.clone());
@@ -373,6 +392,18 @@ pub(crate) fn record<J>(
     (node, ready)
 }
 
+/// A finished node that nothing else refers to, with its spent job, ready to be
+/// passed to [`record`] as its spare; `None` if it is shared or unfinished (it
+/// is dropped then).
+pub(crate) fn reclaim<J>(mut spare: NodeRef<J>) -> Option<(NodeRef<J>, Option<J>)> {
+    let node = Arc::get_mut(&mut spare)?;
+    if !node.done.load(Ordering::Relaxed) {
+        return None;
+    }
+    let spent = lock(&node.state).spent.take();
+    Some((spare, spent))
+}
+
 /// Marks `roots` and every unfinished node they wait for as demanded and hands
 /// out (through `ready`) those that are ready. Stops at nodes demanded before:
 /// a demanded node's dependencies are demanded too (by whoever demanded it),
@@ -406,11 +437,13 @@ impl Waiters {
     }
 }
 
-/// Completes a node that ran (or was skipped): stores its outcome and releases
-/// its dependents (those that become ready go to `ready`). Returns its blockers.
+/// Completes a node that ran (or was skipped): stores its outcome (and the spent
+/// job, if the caller gives it back) and releases its dependents (those that
+/// become ready go to `ready`). Returns its blockers.
 pub(crate) fn complete<J>(
     node: &NodeRef<J>,
     outcome: Outcome,
+    spent: Option<J>,
     ready: &mut impl FnMut(NodeRef<J>),
 ) -> Waiters {
     let err: Option<SharedError> = match outcome {
@@ -424,6 +457,7 @@ pub(crate) fn complete<J>(
     };
     let (dependents, waiters, deps) = {
         let mut s = lock(&node.state);
+        s.spent = spent;
         s.err.clone_from(&err);
         node.failed.store(err.is_some(), Ordering::Release);
         node.done.store(true, Ordering::Release);

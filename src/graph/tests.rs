@@ -23,7 +23,7 @@ fn rec(name: &'static str, reads: &[&Q], writes: &[&Q], job: u32) -> NodeRef<u32
         read: false,
         write: true,
     }));
-    let (node, ready) = record(meta(name), &mut acc, job, false);
+    let (node, ready) = record(meta(name), &mut acc, job, false, None);
     assert!(!ready, "a Lazy node is not ready before it is demanded");
     node
 }
@@ -38,7 +38,7 @@ fn demanded(roots: &[NodeRef<u32>]) -> Vec<u32> {
 
 fn finish(n: &NodeRef<u32>, outcome: Outcome) -> Vec<NodeRef<u32>> {
     let mut ready = Vec::new();
-    complete(n, outcome, &mut |r| ready.push(r)).wake();
+    complete(n, outcome, None, &mut |r| ready.push(r)).wake();
     ready
 }
 
@@ -88,7 +88,7 @@ fn a_node_demanded_at_record_is_ready_at_once() {
         read: true,
         write: true,
     });
-    let (a, ready) = record(meta("a"), &mut acc, 1, true);
+    let (a, ready) = record(meta("a"), &mut acc, 1, true, None);
     assert!(ready);
     let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
     acc.push(Access {
@@ -96,7 +96,7 @@ fn a_node_demanded_at_record_is_ready_at_once() {
         read: true,
         write: false,
     });
-    let (b, ready) = record(meta("b"), &mut acc, 2, true);
+    let (b, ready) = record(meta("b"), &mut acc, 2, true, None);
     assert!(!ready, "b reads what a writes");
     assert_eq!(finish(&a, Outcome::Done).len(), 1);
     assert!(finish(&b, Outcome::Done).is_empty());
@@ -233,4 +233,54 @@ fn a_waiter_is_woken_by_the_completion() {
     finish(&a, Outcome::Done);
     latch.wait();
     assert!(!a.add_waiter(&latch), "a finished node takes no waiters");
+}
+
+#[test]
+fn a_finished_node_nothing_else_holds_is_recorded_into_again() {
+    let (x, y) = (Q::default(), Q::default());
+    let a = rec("a", &[], &[&x], 1);
+    demanded(std::slice::from_ref(&a));
+    finish(&a, Outcome::Done);
+    let at = a.key();
+    // Shared (x's last writer, and this clone): not reclaimed.
+    assert!(reclaim(a.clone()).is_none());
+    // Once x's next writer replaces it, only `a` holds it (a finished writer
+    // is not waited for).
+    let b = rec("b", &[], &[&x], 2);
+    assert!(!b.waits_for(&a));
+    let (spare, spent) = reclaim(a).expect("finished and held by nobody else");
+    assert_eq!(spent, None, "no spent job was given back");
+    let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
+    acc.push(Access {
+        var: &y,
+        read: false,
+        write: true,
+    });
+    let (c, ready) = record(meta("c"), &mut acc, 3, true, Some(spare));
+    assert!(ready);
+    assert_eq!(c.key(), at, "the new node lives in the spare's memory");
+    assert_eq!(c.meta.name, "c");
+    assert!(!c.is_done() && c.error().is_none() && c.deps().is_empty());
+    assert_eq!(c.take_job().unwrap().0, 3);
+}
+
+#[test]
+fn an_unfinished_or_shared_node_is_not_reclaimed() {
+    let x = Q::default();
+    let a = rec("a", &[], &[&x], 1);
+    let b = rec("b", &[], &[&x], 2);
+    // `a` is unfinished (and `b` waits for it).
+    assert!(reclaim(a.clone()).is_none());
+    demanded(std::slice::from_ref(&b));
+    let released = finish(&a, Outcome::Done);
+    assert_eq!(jobs(released), vec![2]);
+    // `b` is the last writer of x, and unfinished.
+    assert!(reclaim(b).is_none());
+    // The spent job given back on completion comes out with the node.
+    let c = rec("c", &[], &[&Q::default()], 3);
+    demanded(std::slice::from_ref(&c));
+    let mut ready = Vec::new();
+    complete(&c, Outcome::Done, Some(30), &mut |r| ready.push(r)).wake();
+    let (_, spent) = reclaim(c).expect("finished, held by nobody else");
+    assert_eq!(spent, Some(30));
 }
