@@ -383,3 +383,21 @@ fn an_allocation_failure_fails_the_node_instead_of_aborting() {
     // Everything else goes on.
     assert_eq!(Tensor::ones_in(&e, [3]).sum().item().unwrap(), 3.0);
 }
+
+#[test]
+fn a_value_read_back_has_its_writer_counted_out() {
+    // The blocker returns only once the writer is finished in every respect:
+    // counted out of the live nodes, and its task handle finished.
+    for mode in [Mode::Async, Mode::Lazy] {
+        let e = Engine::builder().mode(mode).workers(2).build().unwrap();
+        let x = e.var(0u64);
+        for i in 0..20_000u64 {
+            let mut t = e.task("set");
+            let w = t.write(&x);
+            let h = t.run(move || *w.write() = i).unwrap();
+            assert_eq!(x.get().unwrap(), i);
+            assert!(h.is_finished());
+            assert_eq!(e.stats().live_nodes, 0, "{mode:?}: after reading back {i}");
+        }
+    }
+}

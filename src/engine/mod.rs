@@ -183,7 +183,7 @@ pub(crate) struct Shared {
 
     // Reachable from every thread, lock-free.
     pool: Pool<NodeRef>,
-    /// Recorded, unfinished nodes. SeqCst: pairs with `drained.waiters` (a
+    /// Recorded, unfinished nodes. SeqCst: pairs with `drained.barrier` and `drained.stalled` (a
     /// completion that brings it down reads the waiters; a waiter that announced
     /// itself reads it) and with `retiring` (see `life.rs`).
     live: AtomicUsize,
@@ -219,24 +219,36 @@ pub(crate) struct Shared {
 struct Drained {
     lock: Mutex<()>,
     cv: Condvar,
-    /// Threads waiting. SeqCst: a waiter increments it and then reads `live`; a
+    /// Threads waiting for the graph to drain completely (`wait_all`, a
+    /// retiring drop). SeqCst: a waiter increments it and then reads `live`; a
     /// completion decrements `live` and then reads it. At least one sees the
     /// other; the waiter holds `lock` from its check to its wait, and the
     /// completion takes `lock` to notify, so no wake-up falls in between.
-    waiters: AtomicUsize,
+    barrier: AtomicUsize,
+    /// Frontends stalled by backpressure, waiting for the low mark (SeqCst, as
+    /// `barrier`).
+    stalled: AtomicUsize,
+}
+
+/// Whether a completion that left `live` nodes must wake the threads waiting
+/// in [`Drained`]: those in a barrier only at zero, stalled frontends at the
+/// low mark (`resume_at`). Waking a barrier at every completion below the low
+/// mark would cost a futex call per node while it waits.
+fn wants_notify(live: usize, resume_at: usize, barrier: usize, stalled: usize) -> bool {
+    (stalled > 0 && live <= resume_at) || (barrier > 0 && live == 0)
 }
 
 impl Drained {
-    fn wait_until(&self, done: impl Fn() -> bool) {
+    fn wait_until(&self, waiters: &AtomicUsize, done: impl Fn() -> bool) {
         let mut g = lock(&self.lock);
-        self.waiters.fetch_add(1, Ordering::SeqCst);
+        waiters.fetch_add(1, Ordering::SeqCst);
         while !done() {
             g = match self.cv.wait(g) {
                 Ok(g) => g,
                 Err(p) => p.into_inner(),
             };
         }
-        self.waiters.fetch_sub(1, Ordering::SeqCst);
+        waiters.fetch_sub(1, Ordering::SeqCst);
     }
 
     #[cold]
@@ -288,7 +300,8 @@ impl Engine {
             drained: Drained {
                 lock: Mutex::new(()),
                 cv: Condvar::new(),
-                waiters: AtomicUsize::new(0),
+                barrier: AtomicUsize::new(0),
+                stalled: AtomicUsize::new(0),
             },
             waits: Mutex::new(deadlock::Waits::default()),
             life: Mutex::new(()),
@@ -684,21 +697,30 @@ impl Shared {
                 self.counters.skipped.fetch_add(1, Ordering::Relaxed);
             }
         }
-        let mut next = None;
-        let mut pushed = 0;
-        let waiters = graph::complete(node, outcome, spent, &mut |r| {
-            if next.is_none() {
-                next = Some(r);
-            } else {
-                self.pool.publish(r);
-                pushed += 1;
-            }
-        });
+        // The node is counted out and marked finished before any dependent it
+        // releases is handed out: nobody sees a dependent run while the node
+        // still looks unfinished.
+        let mut released: SmallVec<[NodeRef; 4]> = SmallVec::new();
+        let finished = graph::complete(node, outcome, spent, &mut |r| released.push(r));
         self.counters.completed.fetch_add(1, Ordering::Relaxed);
-        self.pool.wake(pushed);
         let live = self.live.fetch_sub(1, Ordering::SeqCst) - 1;
-        waiters.wake();
-        if live <= self.resume_at && self.drained.waiters.load(Ordering::SeqCst) > 0 {
+        finished.wake();
+        let mut released = released.into_iter();
+        let next = released.next();
+        let mut pushed = 0;
+        for r in released {
+            self.pool.publish(r);
+            pushed += 1;
+        }
+        self.pool.wake(pushed);
+        if live <= self.resume_at
+            && wants_notify(
+                live,
+                self.resume_at,
+                self.drained.barrier.load(Ordering::SeqCst),
+                self.drained.stalled.load(Ordering::SeqCst),
+            )
+        {
             self.drained.notify();
         }
         if live == 0 && self.retiring.load(Ordering::SeqCst) {
@@ -720,8 +742,9 @@ impl Shared {
             self.global_demand.fetch_add(1, Ordering::SeqCst);
             self.demand_all();
         }
-        self.drained
-            .wait_until(|| self.live.load(Ordering::SeqCst) <= self.resume_at);
+        self.drained.wait_until(&self.drained.stalled, || {
+            self.live.load(Ordering::SeqCst) <= self.resume_at
+        });
         if lazy {
             self.global_demand.fetch_sub(1, Ordering::SeqCst);
             // Let go of the finished nodes now, so that their memory is free
@@ -766,8 +789,9 @@ impl Shared {
         self.check_wait_all()?;
         self.global_demand.fetch_add(1, Ordering::SeqCst);
         self.demand_all();
-        self.drained
-            .wait_until(|| self.live.load(Ordering::SeqCst) == 0);
+        self.drained.wait_until(&self.drained.barrier, || {
+            self.live.load(Ordering::SeqCst) == 0
+        });
         self.global_demand.fetch_sub(1, Ordering::SeqCst);
         self.undemanded.for_each(|_| {});
         recycle::trim();
@@ -849,7 +873,22 @@ impl Shared {
 
 #[cfg(test)]
 mod tests {
-    use super::{job, Job};
+    use super::{job, wants_notify, Job};
+
+    #[test]
+    fn a_barrier_is_woken_at_zero_and_a_stalled_frontend_at_the_low_mark() {
+        // A barrier alone: only the last completion wakes it, whatever the
+        // low mark (an unbounded engine's is the largest count there is).
+        assert!(!wants_notify(5, usize::MAX - 1, 1, 0));
+        assert!(!wants_notify(1, 100, 1, 0));
+        assert!(wants_notify(0, 100, 1, 0));
+        // A stalled frontend: at the low mark and below.
+        assert!(!wants_notify(101, 100, 0, 1));
+        assert!(wants_notify(100, 100, 0, 1));
+        assert!(wants_notify(3, 100, 1, 1));
+        // Nobody waiting: nobody to wake.
+        assert!(!wants_notify(0, 100, 0, 0));
+    }
 
     fn addr(j: &Job) -> *const () {
         &**j as *const dyn super::Body as *const ()

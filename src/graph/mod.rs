@@ -30,7 +30,9 @@
 mod analysis;
 
 use crate::error::{Error, Location, SharedError};
-use crate::sync::{lock, Arc, AtomicBool, AtomicU32, Condvar, Mutex, MutexGuard, Ordering};
+use crate::sync::{
+    fence_seq_cst, lock, Arc, AtomicBool, AtomicU32, Condvar, Mutex, MutexGuard, Ordering,
+};
 use smallvec::SmallVec;
 
 pub(crate) use analysis::to_dot;
@@ -75,13 +77,19 @@ pub(crate) struct Node<J> {
     pending: AtomicU32,
     /// Set once by the first [`demand`] to reach the node (swap, AcqRel).
     demanded: AtomicBool,
-    /// Set (Release) under `state`'s lock when the node completes, after its
-    /// error is stored there; read (Acquire) without the lock by recorders and
-    /// blockers. Registering as a dependent or a waiter re-checks it under the
-    /// lock, so nothing registers after the completion took the lists.
+    /// Set (Release) by [`Finished::wake`], once the caller of [`complete`] has
+    /// also counted the node out: whoever sees it set sees the node entirely
+    /// finished (its outcome, its dependents released, the engine's count).
+    /// Read (Acquire) without the lock by recorders and blockers.
     done: AtomicBool,
-    /// Whether it failed or was skipped (Release with `done`), so that a recorder
-    /// locks `state` only to fetch an error that exists.
+    /// Set by a blocker registering its latch before it reads `done` again, and
+    /// read by [`Finished::wake`] after it set `done`, with a SeqCst fence
+    /// between each store and load (Dekker-style): one of the two sees the
+    /// other, so a latch is either taken and set by the waker or not waited on.
+    has_waiters: AtomicBool,
+    /// Whether it failed or was skipped (Release, before the dependent lists
+    /// close), so that a recorder locks `state` only to fetch an error that
+    /// exists.
     failed: AtomicBool,
     /// The Vars it writes, by address (deadlock checks of blockers).
     writes: SmallVec<[usize; 2]>,
@@ -89,6 +97,9 @@ pub(crate) struct Node<J> {
 }
 
 struct State<J> {
+    /// Set by [`complete`] when it takes the dependent list: a recorder that
+    /// finds it set counts the node out instead of joining the list.
+    closed: bool,
     /// `None` once handed out.
     job: Option<J>,
     /// The job after it ran, given back by [`complete`]: its allocation may hold
@@ -151,6 +162,13 @@ impl<J> Node<J> {
             return false;
         }
         s.waiters.push(latch.clone());
+        self.has_waiters.store(true, Ordering::Relaxed);
+        fence_seq_cst();
+        if self.done.load(Ordering::Relaxed) {
+            // The waker may have looked for waiters before this one came.
+            s.waiters.pop();
+            return false;
+        }
         true
     }
 
@@ -334,9 +352,11 @@ pub(crate) fn record<J>(
         pending: AtomicU32::new(hold),
         demanded: AtomicBool::new(demanded),
         done: AtomicBool::new(false),
+        has_waiters: AtomicBool::new(false),
         failed: AtomicBool::new(false),
         writes,
         state: Mutex::new(State {
+            closed: false,
             job: Some(job),
             spent: None,
             skip,
@@ -376,7 +396,7 @@ pub(crate) fn record<J>(
     let mut released = RECORDING;
     for (d, reads) in deps {
         let mut s = lock(&d.state);
-        if d.done.load(Ordering::Relaxed) {
+        if s.closed {
             if reads && d.failed.load(Ordering::Relaxed) {
                 let mut mine = lock(&node.state);
                 if mine.skip.is_none() {
@@ -424,28 +444,35 @@ pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(NodeRef<J>)
     marked
 }
 
-/// The blockers of a completed node, to wake once the caller has counted the
-/// node out (a blocker that returns must not see it still counted live).
-#[must_use = "the blockers must be woken"]
-pub(crate) struct Waiters(SmallVec<[Arc<Latch>; 1]>);
+/// A completed node, to mark finished once the caller has counted it out (a
+/// blocker that returns must not see it still counted live): [`Finished::wake`]
+/// sets [`Node::is_done`] and wakes the blockers.
+#[must_use = "the node must be marked finished"]
+pub(crate) struct Finished<'a, J>(&'a Node<J>);
 
-impl Waiters {
+impl<J> Finished<'_, J> {
     pub(crate) fn wake(self) {
-        for w in self.0 {
-            w.set();
+        let node = self.0;
+        node.done.store(true, Ordering::Release);
+        fence_seq_cst();
+        if node.has_waiters.load(Ordering::Relaxed) {
+            let waiters = std::mem::take(&mut lock(&node.state).waiters);
+            for w in waiters {
+                w.set();
+            }
         }
     }
 }
 
 /// Completes a node that ran (or was skipped): stores its outcome (and the spent
 /// job, if the caller gives it back) and releases its dependents (those that
-/// become ready go to `ready`). Returns its blockers.
-pub(crate) fn complete<J>(
-    node: &NodeRef<J>,
+/// become ready go to `ready`). The caller marks it finished with the result.
+pub(crate) fn complete<'a, J>(
+    node: &'a NodeRef<J>,
     outcome: Outcome,
     spent: Option<J>,
     ready: &mut impl FnMut(NodeRef<J>),
-) -> Waiters {
+) -> Finished<'a, J> {
     let err: Option<SharedError> = match outcome {
         Outcome::Done => None,
         Outcome::Failed(message) => Some(std::sync::Arc::new(Error::Failed {
@@ -455,15 +482,14 @@ pub(crate) fn complete<J>(
         })),
         Outcome::Skipped(e) => Some(e),
     };
-    let (dependents, waiters, deps) = {
+    let (dependents, deps) = {
         let mut s = lock(&node.state);
         s.spent = spent;
         s.err.clone_from(&err);
         node.failed.store(err.is_some(), Ordering::Release);
-        node.done.store(true, Ordering::Release);
+        s.closed = true;
         (
             std::mem::take(&mut s.dependents),
-            std::mem::take(&mut s.waiters),
             std::mem::take(&mut s.deps),
         )
     };
@@ -481,7 +507,7 @@ pub(crate) fn complete<J>(
             ready(d);
         }
     }
-    Waiters(waiters)
+    Finished(node)
 }
 
 /// `roots` and every unfinished node they wait for, directly or not, by
