@@ -692,3 +692,57 @@ fn fusion_turns_elementwise_chains_into_few_kernels_with_the_same_results(gpu: D
     );
 }
 gpu_test!(fusion_turns_elementwise_chains_into_few_kernels_with_the_same_results);
+
+fn a_long_elementwise_chain_runs_in_full_groups_in_every_mode(gpu: Device) {
+    // 10,000 ops of `x = x + 1`: groups of 64 ops make at most 157 kernels,
+    // whatever the adapter's binding limit (only the last value is written),
+    // and Async mode groups like Lazy mode (recording one op at a time must
+    // not close the group whenever the device runs out of queued work).
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let x0 = Tensor::zeros_in(&e, [256]).to(gpu).unwrap();
+        x0.wait_to_read().unwrap();
+        let k0 = e.kernels_dispatched(gpu);
+        let mut x = x0;
+        for _ in 0..10_000 {
+            x = &x + 1.0;
+        }
+        assert_eq!(x.to_vec().unwrap(), vec![10_000.0; 256], "{mode:?}");
+        let kernels = e.kernels_dispatched(gpu) - k0;
+        eprintln!("{mode:?}: {kernels} kernels for 10,000 ops");
+        assert!(
+            kernels <= 157,
+            "{mode:?} on {}: {kernels} kernels for 10,000 ops",
+            common::describe(gpu)
+        );
+    }
+}
+gpu_test!(a_long_elementwise_chain_runs_in_full_groups_in_every_mode);
+
+fn a_group_with_more_kept_values_than_bindings_is_split_and_stays_exact(gpu: Device) {
+    // 60 values kept out of one group of 60 ops: more outputs than any
+    // adapter binds in one kernel; every kept value must still be right.
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let base = data(300, 9);
+        let x0 = Tensor::from_vec_in(&e, base.clone(), [300])
+            .unwrap()
+            .to(gpu)
+            .unwrap();
+        let mut x = x0.clone();
+        let mut kept = Vec::new();
+        let mut want = Vec::new();
+        let mut w = base.clone();
+        for _ in 0..60 {
+            x = &(&x * 0.5) + &x0;
+            // x * 0.5 + x0, computed as the GPU does (two roundings).
+            w = w.iter().zip(&base).map(|(a, b)| a * 0.5 + b).collect();
+            kept.push(x.clone());
+            want.push(w.clone());
+        }
+        for (i, (t, w)) in kept.iter().zip(&want).enumerate() {
+            assert_close(&t.to_vec().unwrap(), w, &format!("{mode:?}: value {i}"));
+        }
+    }
+}
+gpu_test!(a_group_with_more_kept_values_than_bindings_is_split_and_stays_exact);

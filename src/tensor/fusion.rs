@@ -7,12 +7,18 @@
 //! and completes (the device queue is in order, so nothing can observe the
 //! difference). The group is turned into one generated WGSL kernel when anything
 //! else is encoded on the device (another kernel, a copy, a readback, a submit),
-//! when an op of another output shape arrives, or when the group reaches its size
-//! or binding limit. In that kernel, values produced inside the group stay in
-//! registers, and a value is written to memory only if something outside the
-//! group can still read it: its Var has a handle left or a pending node holds it.
-//! So a chain `x = x + 1` repeated n times becomes one kernel with one output, and
-//! results nobody keeps are never written.
+//! when an op of another output shape arrives, or when the group reaches
+//! [`MAX_OPS`] ops or binds as many inputs as the adapter allows. In that kernel,
+//! values produced inside the group stay in registers, and a value is written to
+//! memory only if something outside the group can still read it: its Var has a
+//! handle left or a pending node holds it. So a chain `x = x + 1` repeated n
+//! times becomes n / 64 kernels with one output each, and results nobody keeps
+//! are never written.
+//!
+//! Outputs do not limit a group while it grows (which of them are written is
+//! known only when it is encoded): a group that would bind more buffers than
+//! the adapter allows (32 storage buffers per stage on lavapipe's Vulkan, 16 on
+//! GL) is encoded as several kernels, each writing what the later ones read.
 //!
 //! The group lives in its device's deferred-encode hook ([`DeferredEncode`]),
 //! so the device encodes it before anything else it encodes, submits or reads
@@ -23,7 +29,8 @@
 //! group would have written, whichever node triggered the encoding.
 //!
 //! Generated kernels are cached by their source, which depends only on the
-//! structure of the group (shapes, strides and scalars live in the info buffer).
+//! structure of the group (shapes, strides and scalars live in the info buffer,
+//! and names are local to the kernel).
 
 use super::kernels::{BinaryOp, UnaryOp};
 use super::Data;
@@ -122,10 +129,13 @@ impl Fuser {
         inputs: Vec<Input>,
         out: Write<Data>,
     ) -> Result<(), String> {
+        // Outputs are not counted here: which values a group writes is known
+        // only when it is encoded, and a group that would bind too many is
+        // encoded as several kernels then (see `encode_kernel`).
         let fits = self.group.as_ref().is_some_and(|g| {
             g.dims == dims
                 && g.ops.len() < MAX_OPS
-                && g.leaves.len() + g.ops.len() + inputs.len() + 2 <= gpu.max_bindings()
+                && g.leaves.len() + inputs.len() + 2 <= gpu.max_bindings()
         });
         if !fits {
             self.encode_group(gpu);
@@ -222,22 +232,127 @@ fn encode_kernel(gpu: &Gpu, group: &Group) -> Result<(), String> {
     // A value is written if anything outside the group can still read it: a
     // handle or a token besides the group's own write token (readers inside
     // the group gave theirs up when they joined).
-    let written: Vec<bool> = group.ops.iter().map(|op| op.out.reach() > 1).collect();
-    if n == 0 || !written.iter().any(|w| *w) {
+    let kept: Vec<bool> = group.ops.iter().map(|op| op.out.reach() > 1).collect();
+    if n == 0 || !kept.iter().any(|w| *w) {
         return Ok(());
     }
-    let (source, info) = generate(group, &written);
-    let leaf_guards: Vec<_> = group.leaves.iter().map(|l| l.read()).collect();
-    let out_guards: Vec<_> = group
-        .ops
+    // Ops after the last kept value compute nothing anyone reads.
+    let end = kept.iter().rposition(|k| *k).map_or(0, |last| last + 1);
+    let last_use = last_uses(group);
+    let mut start = 0;
+    while start < end {
+        let stop = segment_end(group, &kept, &last_use, start, end, gpu.max_bindings());
+        encode_segment(gpu, group, &kept, &last_use, start..stop, n)?;
+        start = stop;
+    }
+    Ok(())
+}
+
+/// For each op, the index of the last op of the group that reads its value
+/// (itself if none does).
+fn last_uses(group: &Group) -> Vec<usize> {
+    let mut last: Vec<usize> = (0..group.ops.len()).collect();
+    for (j, op) in group.ops.iter().enumerate() {
+        for a in &op.args {
+            if let Arg::Value(k) = a {
+                last[*k] = j;
+            }
+        }
+    }
+    last
+}
+
+/// What one kernel of a group binds, in binding order: the group's leaves it
+/// reads, the values of earlier kernels it reads, then the values it writes
+/// (kept ones, and those a later kernel reads).
+struct Plan {
+    leaves: Vec<usize>,
+    imports: Vec<usize>,
+    outputs: Vec<usize>,
+}
+
+impl Plan {
+    fn of(group: &Group, kept: &[bool], last_use: &[usize], range: std::ops::Range<usize>) -> Plan {
+        let mut plan = Plan {
+            leaves: Vec::new(),
+            imports: Vec::new(),
+            outputs: Vec::new(),
+        };
+        for op in &group.ops[range.clone()] {
+            for a in &op.args {
+                match a {
+                    Arg::Leaf(l) | Arg::Strided(l, _) => {
+                        if !plan.leaves.contains(l) {
+                            plan.leaves.push(*l);
+                        }
+                    }
+                    Arg::Value(k) if *k < range.start => {
+                        if !plan.imports.contains(k) {
+                            plan.imports.push(*k);
+                        }
+                    }
+                    Arg::Value(_) | Arg::Scalar(_) => {}
+                }
+            }
+        }
+        let stop = range.end;
+        plan.outputs = range.filter(|&j| kept[j] || last_use[j] >= stop).collect();
+        plan
+    }
+
+    /// Storage buffers bound, the info buffer included.
+    fn bindings(&self) -> usize {
+        self.leaves.len() + self.imports.len() + self.outputs.len() + 1
+    }
+}
+
+/// Where the kernel that starts at op `start` ends: the longest run of ops up
+/// to `end` whose kernel binds at most `max` storage buffers (at least one op:
+/// an op binds at most two leaves, one output and the info buffer, and every
+/// adapter binds four).
+fn segment_end(
+    group: &Group,
+    kept: &[bool],
+    last_use: &[usize],
+    start: usize,
+    end: usize,
+    max: usize,
+) -> usize {
+    let mut stop = start + 1;
+    while stop < end && Plan::of(group, kept, last_use, start..stop + 1).bindings() <= max {
+        stop += 1;
+    }
+    stop
+}
+
+/// Encodes the ops `range` of a group as one kernel.
+fn encode_segment(
+    gpu: &Gpu,
+    group: &Group,
+    kept: &[bool],
+    last_use: &[usize],
+    range: std::ops::Range<usize>,
+    n: usize,
+) -> Result<(), String> {
+    let plan = Plan::of(group, kept, last_use, range.clone());
+    let (source, info) = generate(group, &plan, range);
+    let leaf_guards: Vec<_> = plan
+        .leaves
         .iter()
-        .zip(&written)
-        .filter(|(_, w)| **w)
-        .map(|(op, _)| op.out.read())
+        .map(|&l| group.leaves[l].read())
         .collect();
-    let mut bindings: Vec<(&GpuBuffer, Access)> =
-        Vec::with_capacity(leaf_guards.len() + out_guards.len());
-    for g in &leaf_guards {
+    let import_guards: Vec<_> = plan
+        .imports
+        .iter()
+        .map(|&k| group.ops[k].out.read())
+        .collect();
+    let out_guards: Vec<_> = plan
+        .outputs
+        .iter()
+        .map(|&j| group.ops[j].out.read())
+        .collect();
+    let mut bindings: Vec<(&GpuBuffer, Access)> = Vec::with_capacity(plan.bindings());
+    for g in leaf_guards.iter().chain(&import_guards) {
         bindings.push((g.gpu()?, Access::Read));
     }
     for g in &out_guards {
@@ -253,35 +368,33 @@ fn encode_kernel(gpu: &Gpu, group: &Group) -> Result<(), String> {
     )
 }
 
-/// The kernel source and its info buffer: `[n, rank, dims, strides..., scalars...]`.
-fn generate(group: &Group, written: &[bool]) -> (String, Vec<u32>) {
+/// The kernel source of the ops `range` of a group bound as `plan` says, and
+/// its info buffer: `[n, rank, dims, strides..., scalars...]`. Names are local
+/// to the kernel (bindings `b0..`, values `t0..` in op order), so groups of the
+/// same structure share one compiled kernel wherever they sit.
+fn generate(group: &Group, plan: &Plan, range: std::ops::Range<usize>) -> (String, Vec<u32>) {
     let rank = group.dims.len();
     let n: usize = group.dims.iter().product();
     let mut info: Vec<u32> = vec![n as u32, rank as u32];
     info.extend(group.dims.iter().map(|&d| d as u32));
     let mut src = String::new();
-    let leaves = group.leaves.len();
-    for l in 0..leaves {
+    let inputs = plan.leaves.len() + plan.imports.len();
+    for b in 0..inputs {
         let _ = writeln!(
             src,
-            "@group(0) @binding({l}) var<storage, read> l{l}: array<f32>;"
+            "@group(0) @binding({b}) var<storage, read> b{b}: array<f32>;"
         );
     }
-    let mut binding = leaves;
-    let mut out_names = Vec::new();
-    for (j, w) in written.iter().enumerate() {
-        if *w {
-            let _ = writeln!(
-                src,
-                "@group(0) @binding({binding}) var<storage, read_write> o{j}: array<f32>;"
-            );
-            out_names.push(j);
-            binding += 1;
-        }
+    for b in inputs..inputs + plan.outputs.len() {
+        let _ = writeln!(
+            src,
+            "@group(0) @binding({b}) var<storage, read_write> b{b}: array<f32>;"
+        );
     }
     let _ = writeln!(
         src,
-        "@group(0) @binding({binding}) var<storage, read> info: array<u32>;"
+        "@group(0) @binding({}) var<storage, read> info: array<u32>;",
+        inputs + plan.outputs.len()
     );
     src.push_str(
         "\n@compute @workgroup_size(256)\n\
@@ -289,8 +402,8 @@ fn generate(group: &Group, written: &[bool]) -> (String, Vec<u32>) {
          let i = gid.x + gid.y * groups.x * 256u;\n    \
          if (i >= info[0]) {\n        return;\n    }\n",
     );
-    let strided = group
-        .ops
+    let ops = &group.ops[range.clone()];
+    let strided = ops
         .iter()
         .any(|op| op.args.iter().any(|a| matches!(a, Arg::Strided(..))));
     if strided {
@@ -301,10 +414,16 @@ fn generate(group: &Group, written: &[bool]) -> (String, Vec<u32>) {
             let _ = writeln!(src, "    rest = rest / info[{}u];", 2 + d);
         }
     }
+    let leaf = |l: &usize| plan.leaves.iter().position(|x| x == l).expect("planned");
     let operand = |arg: &Arg, info: &mut Vec<u32>| -> String {
         match arg {
-            Arg::Leaf(l) => format!("l{l}[i]"),
-            Arg::Value(j) => format!("t{j}"),
+            Arg::Leaf(l) => format!("b{}[i]", leaf(l)),
+            Arg::Value(k) if *k < range.start => {
+                let b =
+                    plan.leaves.len() + plan.imports.iter().position(|x| x == k).expect("planned");
+                format!("b{b}[i]")
+            }
+            Arg::Value(k) => format!("t{}", k - range.start),
             Arg::Scalar(s) => {
                 info.push(s.to_bits());
                 format!("bitcast<f32>(info[{}u])", info.len() - 1)
@@ -316,7 +435,8 @@ fn generate(group: &Group, written: &[bool]) -> (String, Vec<u32>) {
                     .map(|d| format!("c{d} * info[{}u]", base + d))
                     .collect();
                 format!(
-                    "l{l}[{}]",
+                    "b{}[{}]",
+                    leaf(l),
                     if terms.is_empty() {
                         "0u".to_string()
                     } else {
@@ -326,7 +446,7 @@ fn generate(group: &Group, written: &[bool]) -> (String, Vec<u32>) {
             }
         }
     };
-    for (j, op) in group.ops.iter().enumerate() {
+    for (j, op) in ops.iter().enumerate() {
         let expr = match op.op {
             ElemOp::Unary(u) => {
                 let x = operand(&op.args[0], &mut info);
@@ -340,8 +460,8 @@ fn generate(group: &Group, written: &[bool]) -> (String, Vec<u32>) {
         };
         let _ = writeln!(src, "    let t{j} = {expr};");
     }
-    for j in out_names {
-        let _ = writeln!(src, "    o{j}[i] = t{j};");
+    for (o, j) in plan.outputs.iter().enumerate() {
+        let _ = writeln!(src, "    b{}[i] = t{};", inputs + o, j - range.start);
     }
     src.push_str("}\n");
     (src, info)
