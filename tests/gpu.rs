@@ -746,3 +746,50 @@ fn a_group_with_more_kept_values_than_bindings_is_split_and_stays_exact(gpu: Dev
     }
 }
 gpu_test!(a_group_with_more_kept_values_than_bindings_is_split_and_stays_exact);
+
+fn a_program_run_again_compiles_no_new_kernel(gpu: Device) {
+    // Independent elementwise ops run on two workers in either order; the
+    // fused kernels they make must not depend on that order, or every run
+    // would compile kernels anew (tens of milliseconds each on lavapipe).
+    for mode in [Mode::Lazy, Mode::Async] {
+        compiles_nothing_new(gpu, mode);
+    }
+}
+
+fn compiles_nothing_new(gpu: Device, mode: Mode) {
+    let e = engine(mode);
+    let program = |e: &Engine| -> Vec<f32> {
+        let xs: Vec<Tensor> = (0..6)
+            .map(|i| {
+                Tensor::from_vec_in(e, data(512, i), [512])
+                    .unwrap()
+                    .to(gpu)
+                    .unwrap()
+            })
+            .collect();
+        // Six independent chains, then one sum of them all, read back.
+        let ys: Vec<Tensor> = xs
+            .iter()
+            .enumerate()
+            .map(|(i, x)| ((x * (i as f32 + 1.0)) + 0.5).tanh() - x)
+            .collect();
+        let mut total = ys[0].clone();
+        for y in &ys[1..] {
+            total = &total + y;
+        }
+        total.to_vec().unwrap()
+    };
+    let first = program(&e);
+    let compiled = e.kernels_compiled(gpu);
+    assert!(compiled > 0);
+    for run in 0..20 {
+        assert_eq!(program(&e), first, "{mode:?}: run {run}");
+        assert_eq!(
+            e.kernels_compiled(gpu),
+            compiled,
+            "{mode:?}: run {run} compiled new kernels on {}",
+            common::describe(gpu)
+        );
+    }
+}
+gpu_test!(a_program_run_again_compiles_no_new_kernel);

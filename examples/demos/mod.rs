@@ -86,14 +86,27 @@ impl Sizes {
 pub struct Cli {
     pub sizes: Sizes,
     pub json: Option<String>,
+    /// A peer's results in its JSON (`gpu_bench --peer burn.json`), printed
+    /// beside this run's.
+    pub peer: Option<String>,
 }
 
 impl Cli {
     pub fn parse() -> Cli {
+        Cli::parse_args(false)
+    }
+
+    /// Like [`Cli::parse`], also taking `--peer PATH` (gpu_bench).
+    pub fn parse_with_peer() -> Cli {
+        Cli::parse_args(true)
+    }
+
+    fn parse_args(peer: bool) -> Cli {
         let args: Vec<String> = std::env::args().skip(1).collect();
         let mut cli = Cli {
             sizes: Sizes::full(),
             json: None,
+            peer: None,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -102,6 +115,10 @@ impl Cli {
                 "--json" => match it.next() {
                     Some(p) => cli.json = Some(p.clone()),
                     None => usage("--json needs a path"),
+                },
+                "--peer" if peer => match it.next() {
+                    Some(p) => cli.peer = Some(p.clone()),
+                    None => usage("--peer needs a path"),
                 },
                 "-h" | "--help" => usage(""),
                 other => usage(&format!("unknown argument {other:?}")),
@@ -125,7 +142,7 @@ fn usage(problem: &str) -> ! {
     if !problem.is_empty() {
         eprintln!("{problem}");
     }
-    eprintln!("usage: [--quick] [--json PATH]");
+    eprintln!("usage: [--quick] [--json PATH] (gpu_bench also: [--peer PEER.json])");
     std::process::exit(if problem.is_empty() { 0 } else { 2 })
 }
 

@@ -16,9 +16,11 @@
 //! - `Engine::wait_all` submits every open batch and waits for the devices.
 //!
 //! Batches are submitted when they hold [`BATCH_LIMIT`] dispatches, when a
-//! readback needs them, or when the encoding worker finds no other queued work
-//! (so that work starts while the frontend goes on). The scheduler knows nothing
-//! of this: a device only changes what a node's closure does.
+//! readback needs them, or when the device has no more recorded nodes to encode
+//! (so that work starts while the frontend goes on; deferred work, a fusion
+//! group, stays open then, until something needs it or it is full). The
+//! scheduler knows nothing of this: a device only changes what a node's closure
+//! does.
 //!
 //! Data only enters a device through a staging buffer copied inside the batch, so
 //! an upload is ordered with the dispatches around it (`Queue::write_buffer` would
@@ -328,7 +330,8 @@ impl Drop for GpuBuffer {
 }
 
 /// Held by a recorded GPU node until it has been encoded (or skipped); when the
-/// last one goes, the device has no more work coming and its batch is submitted.
+/// last one goes, the device has no more work coming and its batch is submitted
+/// (the deferred work, a fusion group, stays open).
 pub(crate) struct Pending(Arc<Gpu>);
 
 impl Drop for Pending {
@@ -342,8 +345,12 @@ impl Drop for Pending {
             == 1
         {
             // A failure to submit is kept in the batch's fate, which poisons
-            // every value written in it; `wait_all` reports it too.
-            let _ = self.0.flush();
+            // every value written in it; `wait_all` reports it too. The
+            // deferred work stays open: it is encoded when something needs it
+            // (a readback, a copy, another kernel, `wait_all`) or when it is
+            // full, not whenever the workers happen to catch up with the
+            // frontend, so it takes the same shape in every mode and run.
+            let _ = self.0.submit_encoded();
         }
     }
 }
@@ -409,6 +416,9 @@ pub(crate) struct Gpu {
     pool: Arc<Pool>,
     /// Kernels dispatched so far (Relaxed: a statistic).
     pub(crate) dispatched: std::sync::atomic::AtomicU64,
+    /// Pipelines compiled so far, i.e. misses of the pipeline cache (Relaxed:
+    /// a statistic).
+    pub(crate) compiled: std::sync::atomic::AtomicU64,
     /// Whether the tensor layer fuses elementwise ops on this device.
     pub(crate) fusion: bool,
     /// Deferred work of a layer above (see [`DeferredEncode`]), installed on
@@ -576,6 +586,7 @@ impl Gpu {
                 classes: Mutex::new(HashMap::new()),
             }),
             dispatched: std::sync::atomic::AtomicU64::new(0),
+            compiled: std::sync::atomic::AtomicU64::new(0),
             fusion,
             deferred: Mutex::new(None),
             max_storage_buffers: limits.max_storage_buffers_per_shader_stage as usize,
@@ -905,6 +916,8 @@ impl Gpu {
             return Ok(p.clone());
         }
         let source = kernel.wgsl(spec);
+        self.compiled
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pipeline = self.scoped(|| {
             let module = self
                 .device
@@ -962,9 +975,9 @@ impl Gpu {
         }
     }
 
-    /// Submits the open batch, if any, so that its work starts.
-    pub(crate) fn flush(&self) -> Result<(), String> {
-        self.encode_deferred()?;
+    /// Submits what the open batch holds, if anything, so that its work
+    /// starts (the deferred work stays open).
+    pub(crate) fn submit_encoded(&self) -> Result<(), String> {
         self.submit_locked(&mut lock(&self.batch)).map(|_| ())
     }
 

@@ -424,6 +424,20 @@ impl Engine {
         }
     }
 
+    /// Kernels compiled so far on a GPU device (0 for the CPU): the misses of
+    /// its compiled-kernel cache. A program that runs again should compile
+    /// nothing new: fused kernels are cached by their structure.
+    pub fn kernels_compiled(&self, device: Device) -> u64 {
+        match device {
+            Device::Gpu(i) => self
+                .shared()
+                .gpus()
+                .get(i)
+                .map_or(0, |g| g.compiled.load(std::sync::atomic::Ordering::Relaxed)),
+            Device::Cpu => 0,
+        }
+    }
+
     /// Arms a failure at one point of a GPU device, for tests of how failures
     /// reach values (see `device/gpu.rs`). Not part of the stable API.
     #[doc(hidden)]

@@ -75,6 +75,19 @@ struct Op {
     op: ElemOp,
     args: Vec<Arg>,
     out: Write<Data>,
+    /// When the op was recorded (see [`record_order`]).
+    seq: u64,
+}
+
+/// A number for an elementwise GPU op taken when it is recorded: ops join a
+/// group in the order workers run them, which varies from run to run when
+/// independent ops run at once; a group is put back in record order before it
+/// is encoded, so that the same ops make the same kernel source (and hit the
+/// compiled-kernel cache) whatever the timing. Record order is a valid order:
+/// an op is recorded after the ops whose values it reads.
+pub(crate) fn record_order() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 struct Group {
@@ -128,6 +141,7 @@ impl Fuser {
         op: ElemOp,
         inputs: Vec<Input>,
         out: Write<Data>,
+        seq: u64,
     ) -> Result<(), String> {
         // Outputs are not counted here: which values a group writes is known
         // only when it is encoded, and a group that would bind too many is
@@ -186,29 +200,32 @@ impl Fuser {
             b.stamp(lineage);
         }
         group.outputs.insert(out.data_id(), group.ops.len());
-        group.ops.push(Op { op, args, out });
+        group.ops.push(Op { op, args, out, seq });
         Ok(())
     }
 
-    /// Adds `out = op(inputs)` to `gpu`'s group (see [`Fuser::push`]).
+    /// Adds `out = op(inputs)`, recorded as number `seq` of
+    /// [`record_order`], to `gpu`'s group (see [`Fuser::push`]).
     pub(crate) fn fuse(
         gpu: &Gpu,
         dims: &[usize],
         op: ElemOp,
         inputs: Vec<Input>,
         out: Write<Data>,
+        seq: u64,
     ) -> Result<(), String> {
         gpu.check_lost()?;
-        gpu.with_deferred(|fuser: &mut Fuser| fuser.push(gpu, dims, op, inputs, out))
+        gpu.with_deferred(|fuser: &mut Fuser| fuser.push(gpu, dims, op, inputs, out, seq))
     }
 
     /// Encodes the open group as one kernel (nothing if it is empty or writes
     /// nothing anyone can read). A failure fails the group's fate, and with it
     /// every value the group writes.
     fn encode_group(&mut self, gpu: &Gpu) {
-        let Some(group) = self.group.take() else {
+        let Some(mut group) = self.group.take() else {
             return;
         };
+        group.sort_by_record_order();
         match encode_kernel(gpu, &group) {
             // Its outputs now depend on the batch it went into.
             Ok(()) => group.fate.settle(),
@@ -217,6 +234,41 @@ impl Fuser {
                 group.fate.fail(message.clone());
                 gpu.note_failure(message);
             }
+        }
+    }
+}
+
+impl Group {
+    /// Puts the ops in record order (see [`record_order`]), renumbering the
+    /// values they read.
+    fn sort_by_record_order(&mut self) {
+        if self.ops.windows(2).all(|w| w[0].seq < w[1].seq) {
+            return;
+        }
+        let mut order: Vec<usize> = (0..self.ops.len()).collect();
+        order.sort_by_key(|&j| self.ops[j].seq);
+        let mut position = vec![0; order.len()];
+        for (new, &old) in order.iter().enumerate() {
+            position[old] = new;
+        }
+        let mut ops: Vec<Option<Op>> = std::mem::take(&mut self.ops)
+            .into_iter()
+            .map(Some)
+            .collect();
+        self.ops = order
+            .iter()
+            .map(|&old| {
+                let mut op = ops[old].take().expect("each op once");
+                for a in &mut op.args {
+                    if let Arg::Value(k) = a {
+                        *k = position[*k];
+                    }
+                }
+                op
+            })
+            .collect();
+        for j in self.outputs.values_mut() {
+            *j = position[*j];
         }
     }
 }

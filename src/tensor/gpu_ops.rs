@@ -423,6 +423,7 @@ impl Tensor {
         }
         let o = t.write(&out.var);
         let pending = gpu.expect_node();
+        let seq = super::fusion::record_order();
         t.push_fallible(move || {
             let buf = gpu.alloc(n)?;
             *o.write() = Data::Gpu(buf);
@@ -433,7 +434,7 @@ impl Tensor {
                     _ => Input::Scalar(s),
                 })
                 .collect();
-            Fuser::fuse(&gpu, &dims, op, inputs, o)?;
+            Fuser::fuse(&gpu, &dims, op, inputs, o, seq)?;
             drop(self_token);
             drop(pending);
             Ok(())
