@@ -21,7 +21,7 @@
 mod demos;
 
 use demos::{Cli, DemoResult, Progress};
-use lazyflow::{Device, Engine, Mode, Tensor};
+use lazyflow::{Device, Engine, Mode, Tensor, TuneSource};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde_json::{json, Value};
 use std::time::Instant;
@@ -70,11 +70,40 @@ fn main() -> DemoResult<()> {
             let s = t.elapsed().as_secs_f64();
             drop(ys);
             let gflops = 2.0 * (n as f64).powi(3) * reps as f64 / s / 1e9;
+            // The variant the warm-up chose, and what each took on the trial.
+            let class = lazyflow::matmul_class(n, n, n);
+            let tuned = engine
+                .tuned_kernels(gpu)
+                .into_iter()
+                .find(|t| t.kernel == "matmul" && t.class == class);
+            let (kernel, trials) = match &tuned {
+                Some(t) => match &t.source {
+                    TuneSource::Measured(times) => (
+                        t.variant.clone(),
+                        times
+                            .iter()
+                            .map(|(v, d)| (v.clone(), d.as_secs_f64() * 1e3))
+                            .collect(),
+                    ),
+                    _ => (format!("{} (from the cache file)", t.variant), Vec::new()),
+                },
+                None => ("default or pinned (not tuned)".to_string(), Vec::new()),
+            };
             p.println(format!(
-                "{gpu}: matmul {n}x{n}: {gflops:>8.2} GFLOP/s (recording {reps} took {:.3} ms)",
+                "{gpu}: matmul {n}x{n}: {gflops:>8.2} GFLOP/s with {kernel} (recording {reps} took {:.3} ms)",
                 recorded * 1e3
             ));
-            matmuls.push(json!({"n": n, "gflops": gflops, "record_ms": recorded * 1e3}));
+            if !trials.is_empty() {
+                let list: Vec<String> = trials
+                    .iter()
+                    .map(|(v, ms)| format!("{v} {ms:.2}"))
+                    .collect();
+                p.println(format!("    trials (ms): {}", list.join(", ")));
+            }
+            matmuls.push(json!({
+                "n": n, "gflops": gflops, "record_ms": recorded * 1e3,
+                "kernel": kernel, "trials_ms": trials.into_iter().map(|(v, ms)| (v, json!(ms))).collect::<serde_json::Map<String, Value>>(),
+            }));
         }
         let programs = random_programs(gpu, cli.sizes.quick, &p)?;
         let info = engine.gpu_info(gpu);

@@ -53,13 +53,17 @@ pub use benchmark::Benchmark;
 pub use device::Device;
 #[doc(hidden)]
 pub use device::GpuFault;
+pub use device::{TuneSource, TunedKernel};
 pub use engine::{
     Engine, EngineBuilder, Mode, Stats, DEFAULT_GPU_TIMEOUT, DEFAULT_HIGH_WATERMARK,
     DEFAULT_LOW_WATERMARK,
 };
 pub use error::{Error, Location, Result};
 pub use task::{TaskBuilder, TaskHandle};
-pub use tensor::{no_grad, KernelBuilder, NoGrad, PoolKind, Reduction, Shape, Tensor};
+pub use tensor::{
+    matmul_class, matmul_kernels, no_grad, KernelBuilder, NoGrad, PoolKind, Reduction, Shape,
+    Tensor,
+};
 pub use var::{Read, ReadGuard, Var, Write, WriteGuard};
 
 /// The README's examples, compiled and run as doctests.

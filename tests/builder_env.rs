@@ -7,7 +7,9 @@
 
 use lazyflow::{Device, Engine, Error, Mode, Tensor};
 
-const VARS: [&str; 5] = [
+const VARS: [&str; 7] = [
+    "LAZYFLOW_AUTOTUNE",
+    "LAZYFLOW_MATMUL_KERNEL",
     "LAZYFLOW_MODE",
     "LAZYFLOW_WORKERS",
     "LAZYFLOW_CPU_THREADS",
@@ -160,4 +162,18 @@ fn builder_reads_and_validates_the_environment() {
     );
     let message = config_error("LAZYFLOW_BACKENDS", "vulkan,opengl");
     assert!(message.contains("opengl"), "{message}");
+    let message = config_error("LAZYFLOW_AUTOTUNE", "maybe");
+    assert!(
+        message.contains("LAZYFLOW_AUTOTUNE") && message.contains("maybe"),
+        "{message}"
+    );
+    // A pinned matmul kernel must be one of the variants; the error lists them.
+    let message = config_error("LAZYFLOW_MATMUL_KERNEL", "fastest");
+    assert!(
+        message.contains("fastest") && message.contains("s64x64k16t4x4"),
+        "{message}"
+    );
+    set("LAZYFLOW_MATMUL_KERNEL", Some(" d32x32t4x4 "));
+    assert!(Engine::builder().build().is_ok());
+    set("LAZYFLOW_MATMUL_KERNEL", None);
 }

@@ -44,6 +44,7 @@
 //! engine's GPU timeout) fails every later node, readback and wait on it; the
 //! other devices go on.
 
+use super::tune::Autotune;
 use crate::error::Location;
 use smallvec::SmallVec;
 use std::collections::HashMap;
@@ -404,6 +405,10 @@ impl std::fmt::Display for Writers {
 /// One logical GPU device.
 pub(crate) struct Gpu {
     pub(crate) info: GpuInfo,
+    /// The adapter and driver, as the autotuner keys its choices.
+    pub(crate) adapter: String,
+    /// How kernels with several variants pick one.
+    pub(crate) autotune: Autotune,
     device: wgpu::Device,
     queue: wgpu::Queue,
     batch: Mutex<Batch>,
@@ -477,11 +482,21 @@ pub(crate) fn parse_backends(s: &str) -> Result<wgpu::Backends, String> {
 /// Opens `logical` devices on every adapter of `backends`. An adapter seen
 /// through several backends (lavapipe as Vulkan and as GL) is kept once, the
 /// first of Vulkan, Metal, DX12, GL. Adapters that fail to open are skipped.
+/// What the engine asks of every GPU device it opens.
+#[derive(Clone, Debug)]
+pub(crate) struct GpuOptions {
+    /// Whether the tensor layer fuses elementwise ops.
+    pub(crate) fusion: bool,
+    /// How long a wait for the device may take before it counts as lost.
+    pub(crate) timeout: Duration,
+    /// How kernels with several variants pick one.
+    pub(crate) autotune: Autotune,
+}
+
 pub(crate) fn discover(
     backends: wgpu::Backends,
     logical: usize,
-    fusion: bool,
-    timeout: Duration,
+    options: &GpuOptions,
 ) -> Vec<Arc<Gpu>> {
     if backends.is_empty() || logical == 0 {
         return Vec::new();
@@ -523,7 +538,7 @@ pub(crate) fn discover(
         }
         seen.push(key);
         for l in 0..logical {
-            if let Ok(gpu) = Gpu::open(&adapter, l, fusion, timeout) {
+            if let Ok(gpu) = Gpu::open(&adapter, l, options) {
                 gpus.push(Arc::new(gpu));
             }
         }
@@ -532,12 +547,7 @@ pub(crate) fn discover(
 }
 
 impl Gpu {
-    fn open(
-        adapter: &wgpu::Adapter,
-        logical: usize,
-        fusion: bool,
-        timeout: Duration,
-    ) -> Result<Gpu, String> {
+    fn open(adapter: &wgpu::Adapter, logical: usize, options: &GpuOptions) -> Result<Gpu, String> {
         let ai = adapter.get_info();
         let limits = adapter.limits();
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
@@ -562,7 +572,17 @@ impl Gpu {
             wgpu::DeviceType::Cpu => "cpu",
             _ => "other",
         };
+        // The autotuner's key: choices hold for one adapter and driver.
+        let adapter_key = format!(
+            "{} ({}, {} {})",
+            ai.name,
+            backend_name(ai.backend),
+            ai.driver,
+            ai.driver_info
+        );
         Ok(Gpu {
+            adapter: adapter_key,
+            autotune: options.autotune.clone(),
             info: GpuInfo {
                 name: ai.name.clone(),
                 backend: backend_name(ai.backend).to_string(),
@@ -587,12 +607,12 @@ impl Gpu {
             }),
             dispatched: std::sync::atomic::AtomicU64::new(0),
             compiled: std::sync::atomic::AtomicU64::new(0),
-            fusion,
+            fusion: options.fusion,
             deferred: Mutex::new(None),
             max_storage_buffers: limits.max_storage_buffers_per_shader_stage as usize,
             max_workgroups: limits.max_compute_workgroups_per_dimension,
             lost,
-            timeout,
+            timeout: options.timeout,
             failures: Mutex::new(Vec::new()),
             fault: AtomicU8::new(0),
         })
@@ -761,6 +781,32 @@ impl Gpu {
     ) -> Result<(), String> {
         self.encode_deferred()?;
         self.dispatch_direct(kernel, spec, bindings, info, grid)
+    }
+
+    /// Times one variant of a kernel, for the autotuner: waits until the
+    /// device is idle, then runs the dispatch `reps` times, each in a
+    /// submission of its own, and returns the best wall time from submit to
+    /// completion (compiling the pipeline is not timed). What it writes is
+    /// scratch: the caller's real dispatch overwrites it.
+    pub(crate) fn time_dispatch(
+        &self,
+        kernel: KernelSource,
+        spec: &str,
+        bindings: &[(&GpuBuffer, Access)],
+        info: &[u32],
+        grid: Grid,
+        reps: usize,
+    ) -> Result<Duration, String> {
+        self.synchronize()?;
+        let mut best = Duration::MAX;
+        for _ in 0..reps.max(1) {
+            self.dispatch_direct(kernel, spec, bindings, info, grid)?;
+            let started = std::time::Instant::now();
+            let index = self.submit_locked(&mut lock(&self.batch))?;
+            self.wait(index)?;
+            best = best.min(started.elapsed());
+        }
+        Ok(best)
     }
 
     /// Storage buffers one kernel may bind.

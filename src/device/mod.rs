@@ -2,10 +2,12 @@
 //! what a node's closure does once a worker has taken it (see `gpu.rs`).
 
 pub(crate) mod gpu;
+pub(crate) mod tune;
 
 #[doc(hidden)]
 pub use gpu::GpuFault;
 pub use gpu::GpuInfo;
+pub use tune::{TuneSource, TunedKernel};
 
 use std::fmt;
 

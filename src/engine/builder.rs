@@ -73,6 +73,9 @@ pub struct EngineBuilder {
     fusion: Option<bool>,
     cpu_threads: Option<usize>,
     gpu_timeout: Option<std::time::Duration>,
+    autotune: Option<bool>,
+    autotune_cache: Option<std::path::PathBuf>,
+    matmul_kernel: Option<String>,
     ignore_env: bool,
 }
 
@@ -123,6 +126,55 @@ impl EngineBuilder {
     /// `LAZYFLOW_FUSION=0` turns it off, for comparison).
     pub fn fusion(mut self, on: bool) -> Self {
         self.fusion = Some(on);
+        self
+    }
+
+    /// Times a kernel's variants the first time a shape class is seen on an
+    /// adapter and keeps the fastest (default on; `LAZYFLOW_AUTOTUNE=0` turns
+    /// it off). Today that is the matrix product (and so the convolution,
+    /// which is lowered to it): see [`crate::matmul_kernels`] for its
+    /// variants. The trials run as part of the node that first needs them, on
+    /// a worker, never on the frontend; a 1024² product is tuned in well under
+    /// a second of lavapipe. Off, each adapter class takes a default variant:
+    /// tall direct tiles on a CPU adapter (lavapipe), shared 64 x 64 tiles
+    /// elsewhere. [`crate::Engine::tuned_kernels`] lists the choices.
+    ///
+    /// ```
+    /// let engine = lazyflow::Engine::builder().autotune(false).build().unwrap();
+    /// # drop(engine);
+    /// ```
+    pub fn autotune(mut self, on: bool) -> Self {
+        self.autotune = Some(on);
+        self
+    }
+
+    /// Keeps the autotuner's choices in this file between runs (also
+    /// `LAZYFLOW_AUTOTUNE_CACHE`): a line per adapter, driver, kernel and
+    /// shape class, with a hash of the chosen variant's source, so that a
+    /// changed kernel or driver is tuned anew. Without it, choices last as
+    /// long as the process (shared by all its engines).
+    ///
+    /// ```
+    /// let path = std::env::temp_dir().join("lazyflow-autotune.txt");
+    /// let engine = lazyflow::Engine::builder().autotune_cache(path).build().unwrap();
+    /// # drop(engine);
+    /// ```
+    pub fn autotune_cache(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.autotune_cache = Some(path.into());
+        self
+    }
+
+    /// Runs every matrix product with this variant of the kernel instead of
+    /// tuning (also `LAZYFLOW_MATMUL_KERNEL`); one of
+    /// [`crate::matmul_kernels`], or [`Engine::build`](Self::build) fails.
+    ///
+    /// ```
+    /// let engine = lazyflow::Engine::builder().matmul_kernel("d32x32t4x4").build().unwrap();
+    /// # drop(engine);
+    /// assert!(lazyflow::Engine::builder().matmul_kernel("fast").build().is_err());
+    /// ```
+    pub fn matmul_kernel(mut self, name: &str) -> Self {
+        self.matmul_kernel = Some(name.to_string());
         self
     }
 
@@ -217,17 +269,31 @@ impl EngineBuilder {
         let logical_devices = self.logical_devices.unwrap_or(1);
         let fusion = match (self.fusion, env("LAZYFLOW_FUSION")) {
             (Some(f), _) => f,
-            (None, Some(v)) => match v.trim() {
-                "0" | "false" | "off" => false,
-                "1" | "true" | "on" => true,
-                other => {
-                    return Err(Error::Config(format!(
-                        "LAZYFLOW_FUSION={other:?}: expected 0 or 1"
-                    )))
-                }
-            },
+            (None, Some(v)) => parse_switch("LAZYFLOW_FUSION", &v)?,
             (None, None) => true,
         };
+        let autotune_on = match (self.autotune, env("LAZYFLOW_AUTOTUNE")) {
+            (Some(on), _) => on,
+            (None, Some(v)) => parse_switch("LAZYFLOW_AUTOTUNE", &v)?,
+            (None, None) => true,
+        };
+        let mut autotune = crate::device::tune::Autotune {
+            on: autotune_on,
+            cache: self
+                .autotune_cache
+                .or_else(|| env("LAZYFLOW_AUTOTUNE_CACHE").map(Into::into)),
+            pinned: Vec::new(),
+        };
+        if let Some(name) = self.matmul_kernel.or_else(|| env("LAZYFLOW_MATMUL_KERNEL")) {
+            let name = name.trim().to_string();
+            if !crate::matmul_kernels().contains(&name.as_str()) {
+                return Err(Error::Config(format!(
+                    "no matmul kernel is named {name:?}; the variants are {}",
+                    crate::matmul_kernels().join(", ")
+                )));
+            }
+            autotune.pinned.push(("matmul", name));
+        }
         let gpu_timeout = match (self.gpu_timeout, env("LAZYFLOW_GPU_TIMEOUT_MS")) {
             (Some(t), _) => t,
             (None, Some(v)) => match v.trim().parse::<u64>() {
@@ -250,9 +316,21 @@ impl EngineBuilder {
             low,
             backends,
             logical_devices,
-            fusion,
             cpu_threads,
-            gpu_timeout,
+            gpu: crate::device::gpu::GpuOptions {
+                fusion,
+                timeout: gpu_timeout,
+                autotune,
+            },
         })
+    }
+}
+
+/// An on/off environment variable.
+fn parse_switch(key: &str, value: &str) -> Result<bool> {
+    match value.trim() {
+        "0" | "false" | "off" => Ok(false),
+        "1" | "true" | "on" => Ok(true),
+        other => Err(Error::Config(format!("{key}={other:?}: expected 0 or 1"))),
     }
 }

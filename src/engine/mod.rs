@@ -162,12 +162,10 @@ pub(crate) struct Config {
     pub(crate) backends: wgpu::Backends,
     /// Logical devices (wgpu Device + Queue) opened per adapter.
     pub(crate) logical_devices: usize,
-    /// Fuse elementwise GPU ops into generated kernels.
-    pub(crate) fusion: bool,
+    /// Fusion, timeout and autotuning of every GPU device.
+    pub(crate) gpu: crate::device::gpu::GpuOptions,
     /// Threads one CPU kernel may use.
     pub(crate) cpu_threads: usize,
-    /// How long a wait for a GPU may take before the device counts as lost.
-    pub(crate) gpu_timeout: Duration,
 }
 
 /// Everything the workers and the handles share.
@@ -438,6 +436,24 @@ impl Engine {
         }
     }
 
+    /// The autotuner's choices for `device`'s adapter (none on the CPU): one
+    /// per kernel and shape class seen so far in this process or read from
+    /// the cache file (see [`EngineBuilder::autotune`]).
+    ///
+    /// ```
+    /// use lazyflow::{Device, Engine};
+    /// let engine = Engine::builder().build().unwrap();
+    /// assert!(engine.tuned_kernels(Device::Cpu).is_empty());
+    /// ```
+    pub fn tuned_kernels(&self, device: Device) -> Vec<crate::TunedKernel> {
+        match device {
+            Device::Gpu(i) => self
+                .gpu(i)
+                .map_or_else(Vec::new, |g| crate::device::tune::entries(&g.adapter)),
+            Device::Cpu => Vec::new(),
+        }
+    }
+
     /// Arms a failure at one point of a GPU device, for tests of how failures
     /// reach values (see `device/gpu.rs`). Not part of the stable API.
     #[doc(hidden)]
@@ -590,8 +606,7 @@ impl Shared {
             crate::device::gpu::discover(
                 self.config.backends,
                 self.config.logical_devices,
-                self.config.fusion,
-                self.config.gpu_timeout,
+                &self.config.gpu,
             )
         })
     }

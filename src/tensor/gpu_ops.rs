@@ -5,6 +5,7 @@
 
 use super::fusion::{ElemOp, Fuser, Input};
 use super::kernels::{BinaryOp, ReduceOp, UnaryOp};
+use super::matmul_kernels;
 use super::shaders::Kernel;
 use super::{Data, Shape, Tensor};
 use crate::device::gpu::{Gpu, GpuBuffer, Grid};
@@ -296,7 +297,9 @@ pub(crate) fn all_specializations() -> Vec<(Kernel, String)> {
         out.push((Kernel::Reduce, kind.to_string()));
     }
     out.push((Kernel::StridedCopy, String::new()));
-    out.push((Kernel::Matmul, String::new()));
+    for name in super::matmul_kernels::matmul_kernels() {
+        out.push((Kernel::Matmul, name.to_string()));
+    }
     for kind in 0..=1 {
         out.push((Kernel::Im2col, kind.to_string()));
     }
@@ -658,20 +661,25 @@ impl Tensor {
         let o = t.write(&out.var);
         let b = (!self.same_data(other)).then(|| t.read(&other.var));
         let info = [m as u32, k as u32, n as u32, u32::from(b_batched)];
-        let grid = Grid::Exact(n.div_ceil(64) as u32, m.div_ceil(64) as u32, batch as u32);
         let pending = gpu.expect_node();
         t.push_fallible(move || {
             let buf = gpu.alloc(batch * m * n)?;
             {
                 let ga = a.read();
+                let gb = b.as_ref().map(|b| b.read());
                 let ab = ga.gpu()?;
-                match &b {
-                    Some(b) => {
-                        let gb = b.read();
-                        Kernel::Matmul.dispatch(&gpu, "", &[ab, gb.gpu()?, &buf], &info, grid)?;
-                    }
-                    None => Kernel::Matmul.dispatch(&gpu, "", &[ab, ab, &buf], &info, grid)?,
-                }
+                let bb = match &gb {
+                    Some(gb) => gb.gpu()?,
+                    None => ab,
+                };
+                let operands = [ab, bb, &buf];
+                let variant = matmul_kernels::choose(
+                    &gpu,
+                    (m, k, n),
+                    &Kernel::Matmul.bindings("", &operands),
+                )?;
+                let grid = variant.grid(batch, m, n);
+                Kernel::Matmul.dispatch(&gpu, variant.name, &operands, &info, grid)?;
             }
             *o.write() = Data::Gpu(buf);
             drop(pending);

@@ -18,6 +18,7 @@ pub(crate) mod fusion;
 mod gpu_ops;
 mod grads;
 pub(crate) mod kernels;
+mod matmul_kernels;
 pub(crate) mod nn_kernels;
 mod nn_ops;
 mod ops;
@@ -26,6 +27,7 @@ mod shape;
 mod user_kernel;
 
 pub use autograd::{no_grad, NoGrad};
+pub use matmul_kernels::{matmul_class, matmul_kernels};
 pub use nn_kernels::PoolKind;
 pub use nn_ops::Reduction;
 pub use shape::Shape;

@@ -20,7 +20,8 @@ pub(crate) enum Kernel {
     Reduce,
     /// `strided_copy.wgsl`: layout changes.
     StridedCopy,
-    /// `matmul.wgsl`: tiled, batched.
+    /// The matrix product, batched: one of the variants of
+    /// `matmul_kernels.rs`, named by the specialization.
     Matmul,
     /// `im2col.wgsl`: specialized by the direction (0 im2col, 1 col2im).
     Im2col,
@@ -88,11 +89,7 @@ impl Kernel {
                 include_str!("../../shaders/strided_copy.wgsl"),
                 unspecialized,
             ),
-            Kernel::Matmul => (
-                "matmul",
-                include_str!("../../shaders/matmul.wgsl"),
-                unspecialized,
-            ),
+            Kernel::Matmul => return super::matmul_kernels::source(),
             Kernel::Im2col => (
                 "im2col",
                 include_str!("../../shaders/im2col.wgsl"),
@@ -141,12 +138,26 @@ impl Kernel {
         info: &[u32],
         grid: Grid,
     ) -> Result<(), String> {
-        let bindings: SmallVec<[(&GpuBuffer, Access); 4]> = buffers
+        gpu.dispatch(
+            self.source(),
+            spec,
+            &self.bindings(spec, buffers),
+            info,
+            grid,
+        )
+    }
+
+    /// `buffers` with how the kernel uses each.
+    pub(crate) fn bindings<'b>(
+        self,
+        spec: &str,
+        buffers: &[&'b GpuBuffer],
+    ) -> SmallVec<[(&'b GpuBuffer, Access); 4]> {
+        buffers
             .iter()
             .copied()
             .zip(self.access(spec, buffers.len()))
-            .collect();
-        gpu.dispatch(self.source(), spec, &bindings, info, grid)
+            .collect()
     }
 }
 
