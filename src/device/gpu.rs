@@ -413,7 +413,7 @@ pub(crate) struct Gpu {
     queue: wgpu::Queue,
     batch: Mutex<Batch>,
     /// By kernel name and specialization (see [`KernelSource`]).
-    pipelines: Mutex<HashMap<(&'static str, String), wgpu::ComputePipeline>>,
+    pipelines: Mutex<HashMap<&'static str, HashMap<String, wgpu::ComputePipeline>>>,
     /// Largest storage buffer binding, in bytes (the adapter's real limit).
     pub(crate) max_binding: u64,
     /// Recorded GPU nodes not yet encoded (see [`Pending`]).
@@ -957,8 +957,12 @@ impl Gpu {
 
     fn pipeline(&self, kernel: KernelSource, spec: &str) -> Result<wgpu::ComputePipeline, String> {
         self.injected(GpuFault::Pipeline)?;
-        let key = (kernel.name, spec.to_string());
-        if let Some(p) = lock(&self.pipelines).get(&key) {
+        // Looked up by `&str`: a fused kernel's specialization is its whole
+        // source, not worth copying on every hit.
+        if let Some(p) = lock(&self.pipelines)
+            .get(kernel.name)
+            .and_then(|by_spec| by_spec.get(spec))
+        {
             return Ok(p.clone());
         }
         let source = kernel.wgsl(spec);
@@ -981,7 +985,10 @@ impl Gpu {
                     cache: None,
                 })
         })?;
-        lock(&self.pipelines).insert(key, pipeline.clone());
+        lock(&self.pipelines)
+            .entry(kernel.name)
+            .or_default()
+            .insert(spec.to_string(), pipeline.clone());
         Ok(pipeline)
     }
 

@@ -107,6 +107,9 @@ struct Group {
 #[derive(Default)]
 pub(crate) struct Fuser {
     group: Option<Group>,
+    /// Generated sources by the structure of their kernel (see [`structure`]):
+    /// a group of a known structure skips generating its WGSL.
+    sources: HashMap<Vec<u32>, std::sync::Arc<str>>,
 }
 
 /// Strides (in elements) that read a tensor of `shape` at each index of `out`
@@ -226,7 +229,7 @@ impl Fuser {
             return;
         };
         group.sort_by_record_order();
-        match encode_kernel(gpu, &group) {
+        match encode_kernel(gpu, &group, &mut self.sources) {
             // Its outputs now depend on the batch it went into.
             Ok(()) => group.fate.settle(),
             Err(e) => {
@@ -279,7 +282,11 @@ impl DeferredEncode for Fuser {
     }
 }
 
-fn encode_kernel(gpu: &Gpu, group: &Group) -> Result<(), String> {
+fn encode_kernel(
+    gpu: &Gpu,
+    group: &Group,
+    sources: &mut HashMap<Vec<u32>, std::sync::Arc<str>>,
+) -> Result<(), String> {
     let n: usize = group.dims.iter().product();
     // A value is written if anything outside the group can still read it: a
     // handle or a token besides the group's own write token (readers inside
@@ -294,7 +301,7 @@ fn encode_kernel(gpu: &Gpu, group: &Group) -> Result<(), String> {
     let mut start = 0;
     while start < end {
         let stop = segment_end(group, &kept, &last_use, start, end, gpu.max_bindings());
-        encode_segment(gpu, group, &kept, &last_use, start..stop, n)?;
+        encode_segment(gpu, group, &kept, &last_use, start..stop, n, sources)?;
         start = stop;
     }
     Ok(())
@@ -385,9 +392,25 @@ fn encode_segment(
     last_use: &[usize],
     range: std::ops::Range<usize>,
     n: usize,
+    sources: &mut HashMap<Vec<u32>, std::sync::Arc<str>>,
 ) -> Result<(), String> {
     let plan = Plan::of(group, kept, last_use, range.clone());
-    let (source, info) = generate(group, &plan, range);
+    let (key, info) = structure(group, &plan, range.clone());
+    let source = match sources.get(&key) {
+        Some(source) => source.clone(),
+        None => {
+            let (source, generated_info) = generate(group, &plan, range);
+            // Both lay out the same info buffer; checked on every miss.
+            if info != generated_info {
+                return Err(format!(
+                    "internal error: the fused kernel's info buffer was laid out two ways ({info:?} vs {generated_info:?})"
+                ));
+            }
+            let source: std::sync::Arc<str> = source.into();
+            sources.insert(key, source.clone());
+            source
+        }
+    };
     let leaf_guards: Vec<_> = plan
         .leaves
         .iter()
@@ -418,6 +441,57 @@ fn encode_segment(
         &info,
         Grid::Elements(n),
     )
+}
+
+/// What the kernel of the ops `range` of a group depends on, as numbers: the
+/// rank, the bindings, and each op with where its operands come from (not the
+/// scalars, strides or sizes, which are in the info buffer); and that info
+/// buffer, as [`generate`] lays it out. Two segments with the same key have
+/// the same source.
+fn structure(group: &Group, plan: &Plan, range: std::ops::Range<usize>) -> (Vec<u32>, Vec<u32>) {
+    let rank = group.dims.len();
+    let n: usize = group.dims.iter().product();
+    let mut info: Vec<u32> = vec![n as u32, rank as u32];
+    info.extend(group.dims.iter().map(|&d| d as u32));
+    let ops = &group.ops[range.clone()];
+    let mut key: Vec<u32> = Vec::with_capacity(8 + ops.len() * 5 + plan.outputs.len());
+    let strided = ops
+        .iter()
+        .any(|op| op.args.iter().any(|a| matches!(a, Arg::Strided(..))));
+    key.extend([
+        rank as u32,
+        plan.leaves.len() as u32,
+        plan.imports.len() as u32,
+        plan.outputs.len() as u32,
+        u32::from(strided),
+    ]);
+    let leaf = |l: &usize| plan.leaves.iter().position(|x| x == l).expect("planned") as u32;
+    for op in ops {
+        key.push(match op.op {
+            ElemOp::Binary(b) => 0x1000 + b as u32,
+            ElemOp::Unary(u) => 0x2000 + u as u32,
+        });
+        for arg in &op.args {
+            match arg {
+                Arg::Leaf(l) => key.extend([1, leaf(l)]),
+                Arg::Value(k) if *k < range.start => {
+                    let import = plan.imports.iter().position(|x| x == k).expect("planned");
+                    key.extend([2, import as u32]);
+                }
+                Arg::Value(k) => key.extend([3, (k - range.start) as u32]),
+                Arg::Scalar(s) => {
+                    key.push(4);
+                    info.push(s.to_bits());
+                }
+                Arg::Strided(l, strides) => {
+                    key.extend([5, leaf(l)]);
+                    info.extend_from_slice(strides);
+                }
+            }
+        }
+    }
+    key.extend(plan.outputs.iter().map(|j| (j - range.start) as u32));
+    (key, info)
 }
 
 /// The kernel source of the ops `range` of a group bound as `plan` says, and
