@@ -793,3 +793,47 @@ fn compiles_nothing_new(gpu: Device, mode: Mode) {
     }
 }
 gpu_test!(a_program_run_again_compiles_no_new_kernel);
+
+/// A value read back while other recorded work on the device is still being
+/// run: in Async mode the read lets that work catch up before it encodes the
+/// fusion group, so the group (and its cached kernel) is the same every run.
+fn a_read_amid_other_work_compiles_no_new_kernel(gpu: Device) {
+    let e = engine(Mode::Async);
+    let program = |e: &Engine| -> (Vec<f32>, Vec<f32>) {
+        let mut chains: Vec<Tensor> = (0..6)
+            .map(|i| {
+                Tensor::from_vec_in(e, data(512, i), [512])
+                    .unwrap()
+                    .to(gpu)
+                    .unwrap()
+            })
+            .collect();
+        // Six chains recorded interleaved (54 ops: one group, under the cap of
+        // 64 whose boundary still depends on the order ops run in), then one
+        // of them read while the others' last ops may still be waiting for a
+        // worker.
+        for step in 0..3 {
+            for c in chains.iter_mut() {
+                *c = ((&*c * 1.01) + 0.1 * step as f32).tanh();
+            }
+        }
+        let head = chains[0].to_vec().unwrap();
+        let mut total = chains[1].clone();
+        for c in &chains[2..] {
+            total = &total + c;
+        }
+        (head, total.to_vec().unwrap())
+    };
+    let first = program(&e);
+    let compiled = e.kernels_compiled(gpu);
+    for run in 0..30 {
+        assert_eq!(program(&e), first, "run {run}");
+        assert_eq!(
+            e.kernels_compiled(gpu),
+            compiled,
+            "run {run} compiled new kernels on {}",
+            common::describe(gpu)
+        );
+    }
+}
+gpu_test!(a_read_amid_other_work_compiles_no_new_kernel);

@@ -639,6 +639,26 @@ impl Gpu {
         Pending(self.clone())
     }
 
+    /// Waits until every recorded node of the device has been encoded, or
+    /// `limit` has passed (a node may wait on slow work elsewhere; the caller
+    /// only wants a stable shape for the fusion group, never a hang).
+    pub(crate) fn catch_up(&self, limit: Duration) {
+        let start = std::time::Instant::now();
+        let mut spins = 0u32;
+        // Acquire: pairs with the AcqRel decrement in `Pending::drop`.
+        while self.pending.load(std::sync::atomic::Ordering::Acquire) > 0 {
+            if start.elapsed() > limit {
+                return;
+            }
+            spins += 1;
+            if spins < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+
     /// Record-time check that `n` floats fit in one buffer; `Err` says why not.
     pub(crate) fn check_size(&self, n: usize) -> Result<(), String> {
         let bytes = (n as u64).saturating_mul(4);
