@@ -98,8 +98,9 @@ struct Table {
 struct Chosen {
     variant: String,
     source: TuneSource,
-    /// FNV-1a of the variant's source when read from a file (checked at
-    /// lookup, where the source is known); `None` when measured here.
+    /// FNV-1a of the variant's source when read from a file and not yet
+    /// checked (at the first lookup, where the source is known); `None` when
+    /// measured here or checked.
     hash: Option<u64>,
 }
 
@@ -208,11 +209,15 @@ pub(crate) fn lookup(
         kernel.name.to_string(),
         class.to_string(),
     );
-    let chosen = table.chosen.get(&key)?;
-    match chosen.hash {
-        Some(h) if h != fnv1a(&kernel.wgsl(&chosen.variant)) => None,
-        _ => Some(chosen.variant.clone()),
+    let chosen = table.chosen.get_mut(&key)?;
+    if let Some(h) = chosen.hash {
+        if h != fnv1a(&kernel.wgsl(&chosen.variant)) {
+            return None;
+        }
+        // Checked once: later lookups do not generate the source again.
+        chosen.hash = None;
     }
+    Some(chosen.variant.clone())
 }
 
 /// Records a measured choice, and appends it to the cache file if there is
