@@ -141,6 +141,15 @@ pub enum Error {
         /// Why it could never finish.
         reason: String,
     },
+    /// A step of communication between processes failed (see [`crate::dist`]):
+    /// another rank died, hangs, disagrees, or sent a buffer of another size.
+    #[error("{step}: {reason}")]
+    Distributed {
+        /// The step ("agreeing on the model's shapes", "step #12 (allreduce of ...)").
+        step: String,
+        /// What went wrong, naming the rank.
+        reason: String,
+    },
     /// The engine configuration (builder or environment) is invalid.
     #[error("invalid engine configuration: {0}")]
     Config(String),

@@ -38,6 +38,7 @@
 mod benchmark;
 pub mod data;
 mod device;
+pub mod dist;
 mod engine;
 mod error;
 mod graph;
@@ -55,7 +56,7 @@ pub use device::Device;
 pub use device::GpuFault;
 pub use device::{TuneSource, TunedKernel};
 pub use engine::{
-    Engine, EngineBuilder, Mode, Stats, DEFAULT_GPU_TIMEOUT, DEFAULT_HIGH_WATERMARK,
+    Completion, Engine, EngineBuilder, Mode, Stats, DEFAULT_GPU_TIMEOUT, DEFAULT_HIGH_WATERMARK,
     DEFAULT_LOW_WATERMARK,
 };
 pub use error::{Error, Location, Result};

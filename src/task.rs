@@ -1,7 +1,7 @@
 //! Generic tasks: any CPU closure with declared reads and writes, recorded as a node.
 
 use crate::device::Device;
-use crate::engine::{device_lane, Access, Engine, Mode, NodeRef, Tracked};
+use crate::engine::{device_lane, Access, Completion, Engine, Mode, NodeRef, Tracked};
 use crate::error::{Location, Result};
 use crate::graph::NodeMeta;
 use crate::var::{Read, Var, Write};
@@ -35,6 +35,8 @@ pub struct TaskBuilder<'e> {
     /// stay alive until the task is recorded.
     vars: SmallVec<[Declared; 4]>,
     mismatch: bool,
+    /// Demanded at record time also in Lazy mode (deferred tasks only).
+    eager: bool,
 }
 
 /// A Var a task names: its handle, whether it is read, whether it is written.
@@ -93,6 +95,7 @@ impl Engine {
             },
             vars: SmallVec::new(),
             mismatch: false,
+            eager: false,
         }
     }
 }
@@ -158,6 +161,70 @@ impl<'e> TaskBuilder<'e> {
             }
         }
         Ok(TaskHandle { engine, node })
+    }
+
+    /// Records a task that finishes after its closure returned: the closure
+    /// gets a [`Completion`] and hands it to whatever does the work (another
+    /// thread, a network callback), which calls [`Completion::finish`]. The
+    /// worker that ran the closure is free at once; the task's writes are
+    /// unreadable, and its dependents wait, until it finishes. This is what
+    /// lets communication with other processes overlap with computation
+    /// (`crate::dist`).
+    ///
+    /// ```
+    /// use lazyflow::Engine;
+    /// let engine = Engine::builder().workers(1).build().unwrap();
+    /// let x = engine.var(1u32);
+    /// let mut t = engine.task("remote");
+    /// let w = t.write(&x);
+    /// let handle = t
+    ///     .run_deferred(move |done| {
+    ///         std::thread::spawn(move || {
+    ///             *w.write() += 1;
+    ///             done.finish(Err::<(), _>("the peer went away"));
+    ///         });
+    ///     })
+    ///     .unwrap();
+    /// assert!(handle.wait().unwrap_err().to_string().contains("the peer went away"));
+    /// ```
+    pub fn run_deferred(
+        self,
+        f: impl FnOnce(Completion) + Send + 'static,
+    ) -> Result<TaskHandle> {
+        if self.mismatch {
+            return Err(crate::error::Error::EngineMismatch {
+                op: self.meta.name,
+                location: self.meta.location,
+            });
+        }
+        let engine = self.engine.uncounted();
+        let mut accesses: SmallVec<[Access<'_>; 4]> = self
+            .vars
+            .iter()
+            .map(|(v, read, write)| Access {
+                var: v.queue(),
+                read: *read,
+                write: *write,
+            })
+            .collect();
+        let node = self
+            .engine
+            .shared()
+            .record_deferred(self.meta, &mut accesses, f, self.eager)?;
+        if engine.mode() == Mode::Sync {
+            if let Some(err) = node.error() {
+                return Err((*err).clone());
+            }
+        }
+        Ok(TaskHandle { engine, node })
+    }
+
+    /// Makes a deferred task run as soon as its inputs are ready also in
+    /// Lazy mode, as if demanded at record time (communication must start in
+    /// the same order on every process, whatever each one reads).
+    pub(crate) fn eager(&mut self) -> &mut Self {
+        self.eager = true;
+        self
     }
 
     /// Records the task without a handle (the cheapest way; failures surface at the

@@ -49,6 +49,121 @@ pub(crate) trait Body: Send + 'static {
     /// Drops the closure without calling it (a skipped node).
     fn clear(&mut self);
     fn as_any(&mut self) -> &mut dyn std::any::Any;
+    /// Whether the job finishes later, through a [`Completion`] (see
+    /// [`Body::start`]), instead of when `call` returns.
+    fn deferred(&self) -> bool {
+        false
+    }
+    /// Starts a deferred job: it completes its node through `done`, on any
+    /// thread (only called when [`Body::deferred`] is true).
+    fn start(&mut self, done: Completion) {
+        drop(done);
+    }
+}
+
+struct DeferredSlot<F>(Option<F>);
+
+impl<F: FnOnce(Completion) + Send + 'static> Body for DeferredSlot<F> {
+    fn call(&mut self) -> std::result::Result<(), String> {
+        Err("a deferred task was called without its completion".into())
+    }
+
+    fn clear(&mut self) {
+        self.0 = None;
+    }
+
+    fn as_any(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+
+    fn deferred(&self) -> bool {
+        true
+    }
+
+    fn start(&mut self, done: Completion) {
+        if let Some(f) = self.0.take() {
+            f(done);
+        }
+    }
+}
+
+/// Boxes `f` as a deferred job (it finishes through its [`Completion`]).
+pub(crate) fn deferred_job<F>(f: F) -> Job
+where
+    F: FnOnce(Completion) + Send + 'static,
+{
+    Box::new(DeferredSlot(Some(f)))
+}
+
+/// The end of a task that finishes after its closure returned (MXNet's
+/// asynchronous functions): the task's node stays unfinished, and the Vars it
+/// writes stay unreadable, until [`Completion::finish`] is called, on any
+/// thread. The worker that started the task is free in the meantime, so a
+/// task that waits for the network or another process does not hold a
+/// worker.
+///
+/// Dropping a `Completion` without finishing fails the task (nothing waits
+/// forever for a completion that was lost, e.g. by a panic).
+///
+/// ```
+/// use lazyflow::Engine;
+/// let engine = Engine::builder().workers(1).build().unwrap();
+/// let x = engine.var(0u32);
+/// let mut t = engine.task("elsewhere");
+/// let w = t.write(&x);
+/// t.run_deferred(move |done| {
+///     // Hand the work to another thread; the worker returns at once.
+///     std::thread::spawn(move || {
+///         *w.write() = 7;
+///         done.finish(Ok::<(), String>(()));
+///     });
+/// })
+/// .unwrap();
+/// assert_eq!(x.get().unwrap(), 7);
+/// ```
+pub struct Completion {
+    node: Option<NodeRef>,
+    shared: std::sync::Arc<Shared>,
+}
+
+impl std::fmt::Debug for Completion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completion")
+            .field("op", &self.node.as_ref().map(|n| n.meta.name))
+            .finish()
+    }
+}
+
+impl Completion {
+    /// Finishes the task: `Ok` completes it, `Err` fails it with the error's
+    /// message (its readers get the error, and tasks that depend on it are
+    /// skipped, as for a panic).
+    pub fn finish<E: std::fmt::Display>(mut self, result: std::result::Result<(), E>) {
+        let outcome = match result {
+            Ok(()) => Outcome::Done,
+            Err(e) => Outcome::Failed(e.to_string()),
+        };
+        self.end(outcome);
+    }
+
+    fn end(&mut self, outcome: Outcome) {
+        let Some(node) = self.node.take() else { return };
+        // Not a worker's loop: the released dependent goes to the queues.
+        if let Some(next) = self.shared.complete(&node, outcome, None) {
+            self.shared.pool.publish(next);
+            self.shared.pool.wake(1);
+        }
+    }
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        if self.node.is_some() {
+            self.end(Outcome::Failed(
+                "the task's completion was dropped without finishing".into(),
+            ));
+        }
+    }
 }
 
 struct Slot<F>(Option<F>);
@@ -545,7 +660,7 @@ impl Host for Shared {
     /// Runs a node and completes it; returns the first dependent it released.
     #[inline]
     fn run(&self, node: NodeRef) -> Option<NodeRef> {
-        let (outcome, spent) = execute(&node);
+        let (outcome, spent) = execute(self, &node)?;
         self.complete(&node, outcome, spent)
     }
 
@@ -555,20 +670,25 @@ impl Host for Shared {
 }
 
 /// Runs a node's job on this thread (or skips it when an input is poisoned),
-/// catching panics. Returns how it ended and the spent job, to keep with the node.
-fn execute(node: &NodeRef) -> (Outcome, Option<Job>) {
+/// catching panics. Returns how it ended and the spent job, to keep with the
+/// node; `None` for a deferred job that was started (it completes through its
+/// [`Completion`]).
+fn execute(shared: &Shared, node: &NodeRef) -> Option<(Outcome, Option<Job>)> {
     let Some((mut job, skip)) = node.take_job() else {
         // Unreachable: a node is handed out once.
-        return (
+        return Some((
             Outcome::Failed("the node's job was taken twice".into()),
             None,
-        );
+        ));
     };
     if let Some(err) = skip {
         // The closure's captures are dropped without running it; a panicking
         // Drop must not take the worker down with it.
         let _ = catch_unwind(AssertUnwindSafe(|| job.clear()));
-        return (Outcome::Skipped(err), Some(job));
+        return Some((Outcome::Skipped(err), Some(job)));
+    }
+    if job.deferred() {
+        return start_deferred(shared, node, job);
     }
     let running = Running::enter(RunningOp {
         key: node.key(),
@@ -587,7 +707,37 @@ fn execute(node: &NodeRef) -> (Outcome, Option<Job>) {
             Outcome::Failed(message)
         }
     };
-    (outcome, Some(job))
+    Some((outcome, Some(job)))
+}
+
+/// Starts a deferred job. A panic before it handed its completion on drops the
+/// completion, which fails the node; a panic after that leaves the ending to
+/// whoever holds it.
+#[cold]
+fn start_deferred(
+    shared: &Shared,
+    node: &NodeRef,
+    mut job: Job,
+) -> Option<(Outcome, Option<Job>)> {
+    let Some(me) = shared.me.upgrade() else {
+        return Some((Outcome::Failed("the engine is gone".into()), Some(job)));
+    };
+    let done = Completion {
+        node: Some(node.clone()),
+        shared: me,
+    };
+    let running = Running::enter(RunningOp {
+        key: node.key(),
+        name: node.meta.name,
+        location: node.meta.location,
+    });
+    let result = catch_unwind(AssertUnwindSafe(|| job.start(done)));
+    drop(running);
+    if let Err(payload) = result {
+        let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
+    }
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(job)));
+    None
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
@@ -643,7 +793,26 @@ impl Shared {
         self.record_job(meta, accesses, job(f, spent), spare)
     }
 
-    fn record_job(
+    /// Records a node whose job finishes through a [`Completion`]. With
+    /// `eager` it is demanded at once also in Lazy mode (with its ancestors).
+    pub(crate) fn record_deferred<F>(
+        &self,
+        meta: NodeMeta,
+        accesses: &mut SmallVec<[Access<'_>; 4]>,
+        f: F,
+        eager: bool,
+    ) -> Result<NodeRef>
+    where
+        F: FnOnce(Completion) + Send + 'static,
+    {
+        let node = self.record_job(meta, accesses, deferred_job(f), None)?;
+        if eager && self.config.mode == Mode::Lazy && !node.is_done() {
+            self.demand(std::slice::from_ref(&node));
+        }
+        Ok(node)
+    }
+
+    pub(crate) fn record_job(
         &self,
         meta: NodeMeta,
         accesses: &mut SmallVec<[Access<'_>; 4]>,
@@ -886,7 +1055,9 @@ impl Shared {
         allowed: &std::collections::HashMap<usize, NodeRef>,
     ) {
         loop {
-            let (outcome, spent) = execute(&node);
+            let Some((outcome, spent)) = execute(self, &node) else {
+                return;
+            };
             match self.complete(&node, outcome, spent) {
                 Some(next) if allowed.contains_key(&next.key()) => node = next,
                 Some(next) => {

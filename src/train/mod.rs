@@ -8,15 +8,18 @@
 //! engine's statistics), and memory stays bounded by the engine's backpressure
 //! instead of a wait per minibatch.
 
+mod distributed;
 mod optim;
 mod parallel;
 
+pub use distributed::{Distributed, Overlap, Strategy};
 pub use optim::{Sgd, StepLr};
 pub use parallel::{
     allreduce, split_batch, split_batch_weighted, BatchMetrics, DataParallel, Shard,
 };
 
 use crate::data::Dataset;
+use crate::dist::Dist;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::nn::Sequential;
@@ -160,6 +163,9 @@ pub struct EpochStats {
     pub images_per_s: f64,
     /// Blockers the batch loop waited on (0: it only recorded).
     pub blockers: u64,
+    /// Seconds this process spent in collectives with other processes during
+    /// the epoch (0 for a single process; see [`crate::dist::CommStats`]).
+    pub comm_seconds: f64,
 }
 
 /// What [`fit`] measured.
@@ -220,6 +226,7 @@ impl TrainReport {
                     "epoch": e.epoch, "lr": e.lr, "train_loss": e.train_loss,
                     "train_acc": e.train_acc, "valid_acc": e.valid_acc, "seconds": e.seconds,
                     "images_per_s": e.images_per_s, "blockers": e.blockers,
+                    "comm_seconds": e.comm_seconds,
                 })
             })
             .collect();
@@ -287,6 +294,85 @@ impl TrainReport {
     }
 }
 
+/// What the epoch loop needs of a model trained on this process's devices
+/// ([`DataParallel`]) or over several processes ([`Distributed`]).
+trait Trainer {
+    fn train_batch(&mut self, x: &Tensor, y: &[u32], lr: f32) -> Result<Vec<BatchMetrics>>;
+    fn correct(&self, x: &Tensor, y: &[u32]) -> Result<Vec<Tensor>>;
+    /// Smaller minibatches are skipped.
+    fn min_batch(&self) -> usize;
+    /// The sum of running sums (one per device, or over every rank too).
+    fn total(&self, acc: &[Option<Tensor>]) -> Result<f64>;
+    /// Seconds spent communicating with other processes so far.
+    fn comm_seconds(&self) -> f64;
+}
+
+impl Trainer for DataParallel {
+    fn train_batch(&mut self, x: &Tensor, y: &[u32], lr: f32) -> Result<Vec<BatchMetrics>> {
+        DataParallel::train_batch(self, x, y, lr)
+    }
+
+    fn correct(&self, x: &Tensor, y: &[u32]) -> Result<Vec<Tensor>> {
+        DataParallel::correct(self, x, y)
+    }
+
+    fn min_batch(&self) -> usize {
+        self.devices().len()
+    }
+
+    fn total(&self, acc: &[Option<Tensor>]) -> Result<f64> {
+        let mut t = 0.0;
+        for s in acc.iter().flatten() {
+            t += s.item()? as f64;
+        }
+        Ok(t)
+    }
+
+    fn comm_seconds(&self) -> f64 {
+        0.0
+    }
+}
+
+impl Trainer for Distributed {
+    fn train_batch(&mut self, x: &Tensor, y: &[u32], lr: f32) -> Result<Vec<BatchMetrics>> {
+        Distributed::train_batch(self, x, y, lr)
+    }
+
+    fn correct(&self, x: &Tensor, y: &[u32]) -> Result<Vec<Tensor>> {
+        Distributed::correct(self, x, y)
+    }
+
+    fn min_batch(&self) -> usize {
+        Distributed::min_batch(self)
+    }
+
+    /// Sums this rank's parts on the CPU, then over the ranks (a collective
+    /// every rank makes at the same point).
+    fn total(&self, acc: &[Option<Tensor>]) -> Result<f64> {
+        let mut sum: Option<Tensor> = None;
+        for s in acc.iter().flatten() {
+            let s = s.to(Device::Cpu)?;
+            sum = Some(match sum {
+                Some(t) => t.add(&s)?,
+                None => s,
+            });
+        }
+        let mine = match sum {
+            Some(s) => s,
+            None => {
+                let params = self.parameters();
+                let engine = params.first().map_or(Engine::global(), |p| p.engine());
+                Tensor::scalar_in(engine, 0.0)
+            }
+        };
+        Ok(self.dist().allreduce_sum(&mine, "a running sum")?.item()? as f64)
+    }
+
+    fn comm_seconds(&self) -> f64 {
+        self.dist().stats().seconds
+    }
+}
+
 /// Adds `parts` (one scalar tensor per device) to the running sums in `acc`,
 /// each on its own device: recorded, nothing waits.
 fn accumulate(acc: &mut Vec<Option<Tensor>>, parts: Vec<Tensor>) -> Result<()> {
@@ -302,17 +388,8 @@ fn accumulate(acc: &mut Vec<Option<Tensor>>, parts: Vec<Tensor>) -> Result<()> {
     Ok(())
 }
 
-/// Reads running sums (the one blocker per sum and epoch).
-fn total(acc: &[Option<Tensor>]) -> Result<f64> {
-    let mut t = 0.0;
-    for s in acc.iter().flatten() {
-        t += s.item()? as f64;
-    }
-    Ok(t)
-}
-
 /// Correctly classified examples of `data`, evaluated on `model`'s devices.
-fn evaluate(engine: &Engine, model: &DataParallel, data: &Dataset, batch: usize) -> Result<f64> {
+fn evaluate(engine: &Engine, model: &dyn Trainer, data: &Dataset, batch: usize) -> Result<f64> {
     if data.is_empty() {
         return Ok(f64::NAN);
     }
@@ -320,7 +397,7 @@ fn evaluate(engine: &Engine, model: &DataParallel, data: &Dataset, batch: usize)
     for (x, y) in data.batches_in_order(engine, batch) {
         accumulate(&mut acc, model.correct(&x, &y)?)?;
     }
-    Ok(total(&acc)? / data.len() as f64)
+    Ok(model.total(&acc)? / data.len() as f64)
 }
 
 /// Trains `model` (copied onto each of `devices`) on `train`, reporting
@@ -352,6 +429,91 @@ pub fn fit(
     if let Some(w) = &config.weights {
         dp.set_weights(w)?;
     }
+    let names = devices.iter().map(|d| d.to_string()).collect();
+    let report = epochs(engine, &mut dp, train, valid, test, config, names)?;
+    Ok((dp, report))
+}
+
+/// [`fit`] over several processes: every rank calls it with the same data,
+/// model shapes and `config` (checked at the start), and its own `devices`.
+/// Each global minibatch of `config.batch_size` is shared out over the ranks
+/// and their devices; gradients are combined by `strategy`, and communicated
+/// per layer or after the backward pass by `overlap`. Every rank gets the
+/// same report (sums are reduced over the ranks); only rank 0 shows progress.
+///
+/// ```
+/// use lazyflow::{data::Dataset, dist::Dist, nn, train, Device, Engine};
+/// let engine = Engine::builder().workers(1).build()?;
+/// let images: Vec<f32> = (0..8 * 784).map(|i| (i % 7) as f32 / 7.0).collect();
+/// let labels: Vec<u32> = (0..8).map(|i| i % 10).collect();
+/// let data = Dataset { images, labels, rows: 28, cols: 28 };
+/// let net = nn::lenet(&engine, 0)?;
+/// let config = train::TrainConfig { epochs: 1, batch_size: 4, progress: false, ..train::TrainConfig::quick() };
+/// let (_, report) = train::fit_distributed(
+///     &engine, &Dist::single(), &net, &data, &data, &data, &[Device::Cpu],
+///     &config, train::Strategy::AllReduce, train::Overlap::PerLayer,
+/// )?;
+/// assert_eq!(report.epochs.len(), 1);
+/// # Ok::<(), lazyflow::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn fit_distributed(
+    engine: &Engine,
+    dist: &Dist,
+    model: &Sequential,
+    train: &Dataset,
+    valid: &Dataset,
+    test: &Dataset,
+    devices: &[Device],
+    config: &TrainConfig,
+    strategy: Strategy,
+    overlap: Overlap,
+) -> Result<(Distributed, TrainReport)> {
+    let hyper = format!(
+        "{} epochs; batch {}; lr {:?}; seed {}; {} training, {} validation, {} test examples",
+        config.epochs,
+        config.batch_size,
+        config.lr,
+        config.seed,
+        train.len(),
+        valid.len(),
+        test.len()
+    );
+    let mut model = Distributed::new(
+        dist,
+        model,
+        devices,
+        config.momentum,
+        config.weight_decay,
+        strategy,
+        overlap,
+        &hyper,
+    )?;
+    if let Some(w) = &config.weights {
+        model.set_weights(w)?;
+    }
+    let config = TrainConfig {
+        progress: config.progress && dist.is_root(),
+        ..config.clone()
+    };
+    let names = devices
+        .iter()
+        .map(|d| format!("rank {} {d}", dist.rank()))
+        .collect();
+    let report = epochs(engine, &mut model, train, valid, test, &config, names)?;
+    Ok((model, report))
+}
+
+/// The epoch loop of [`fit`] and [`fit_distributed`].
+fn epochs(
+    engine: &Engine,
+    dp: &mut dyn Trainer,
+    train: &Dataset,
+    valid: &Dataset,
+    test: &Dataset,
+    config: &TrainConfig,
+    devices: Vec<String>,
+) -> Result<TrainReport> {
     let batches_per_epoch = train.len().div_ceil(config.batch_size.max(1)) as u64;
     let bar = if config.progress {
         indicatif::ProgressBar::new(batches_per_epoch * config.epochs as u64)
@@ -369,6 +531,7 @@ pub fn fit(
         let lr = config.lr.at(epoch);
         bar.set_message(format!("epoch {}/{}", epoch + 1, config.epochs));
         let start = Instant::now();
+        let comm_before = dp.comm_seconds();
         let blockers_before = engine.stats().blockers;
         let (mut loss, mut correct) = (Vec::new(), Vec::new());
         let mut seen = 0;
@@ -378,7 +541,7 @@ pub fn fit(
             config.seed.wrapping_add(epoch as u64),
         ) {
             bar.inc(1);
-            if y.len() < devices.len() {
+            if y.len() < dp.min_batch() {
                 continue;
             }
             let metrics = dp.train_batch(&x, &y, lr)?;
@@ -394,10 +557,11 @@ pub fn fit(
         }
         let blockers = engine.stats().blockers - blockers_before;
         engine.wait_all()?;
+        let train_loss = dp.total(&loss)? / seen.max(1) as f64;
+        let train_acc = dp.total(&correct)? / seen.max(1) as f64;
         let seconds = start.elapsed().as_secs_f64();
-        let train_loss = total(&loss)? / seen.max(1) as f64;
-        let train_acc = total(&correct)? / seen.max(1) as f64;
-        let valid_acc = evaluate(engine, &dp, valid, config.batch_size)?;
+        let comm_seconds = dp.comm_seconds() - comm_before;
+        let valid_acc = evaluate(engine, dp, valid, config.batch_size)?;
         let stats = EpochStats {
             epoch: epoch + 1,
             lr,
@@ -407,6 +571,7 @@ pub fn fit(
             seconds,
             images_per_s: seen as f64 / seconds,
             blockers,
+            comm_seconds,
         };
         bar.println(format!(
             "epoch {:>3}: loss {:.4}, train acc {:.4}, valid acc {:.4}, {:.0} images/s, {} blockers in the batch loop",
@@ -415,11 +580,10 @@ pub fn fit(
         epochs.push(stats);
     }
     bar.finish_and_clear();
-    let test_acc = evaluate(engine, &dp, test, config.batch_size)?;
-    let report = TrainReport {
-        devices: devices.iter().map(|d| d.to_string()).collect(),
+    let test_acc = evaluate(engine, dp, test, config.batch_size)?;
+    Ok(TrainReport {
+        devices,
         epochs,
         test_acc,
-    };
-    Ok((dp, report))
+    })
 }

@@ -269,27 +269,8 @@ impl DataParallel {
     /// loss sum and correct count as tensors on the device.
     #[track_caller]
     pub fn train_batch(&mut self, x: &Tensor, y: &[u32], lr: f32) -> Result<Vec<BatchMetrics>> {
-        let shards = split_batch_weighted(x, y, &self.devices, &self.weights)?;
-        let total = y.len();
-        let mut metrics = Vec::with_capacity(shards.len());
-        for (replica, shard) in self.replicas.iter().zip(&shards) {
-            for p in replica.parameters() {
-                p.zero_grad();
-            }
-            let logits = replica.forward(&shard.x)?;
-            let loss = logits.cross_entropy(&shard.y, Reduction::Sum)?;
-            loss.backward()?;
-            let correct = logits
-                .detach()
-                .accuracy(&shard.y)?
-                .mul_scalar(shard.y.len() as f32);
-            metrics.push(BatchMetrics {
-                loss_sum: loss.detach(),
-                correct,
-                examples: shard.y.len(),
-            });
-        }
-        let params: Vec<Vec<Tensor>> = self.replicas.iter().map(|r| r.parameters()).collect();
+        let metrics = self.backward(x, y)?;
+        let params = self.parameter_lists();
         let count = params[0].len();
         let mut reduced: Vec<Vec<Option<Tensor>>> = vec![Vec::with_capacity(count); params.len()];
         for j in 0..count {
@@ -310,11 +291,93 @@ impl DataParallel {
                 r.push(Some(s));
             }
         }
-        let scale = 1.0 / total as f32;
+        let scale = 1.0 / y.len() as f32;
         for ((opt, ps), gs) in self.optimizers.iter_mut().zip(&params).zip(&reduced) {
             opt.step_with(ps, gs, lr, scale)?;
         }
         Ok(metrics)
+    }
+
+    /// Forward and backward of one minibatch split over the devices (the
+    /// gradients are left on each replica).
+    #[track_caller]
+    pub(super) fn backward(&mut self, x: &Tensor, y: &[u32]) -> Result<Vec<BatchMetrics>> {
+        let shards = split_batch_weighted(x, y, &self.devices, &self.weights)?;
+        let mut metrics = Vec::with_capacity(shards.len());
+        for (replica, shard) in self.replicas.iter().zip(&shards) {
+            for p in replica.parameters() {
+                p.zero_grad();
+            }
+            let logits = replica.forward(&shard.x)?;
+            let loss = logits.cross_entropy(&shard.y, Reduction::Sum)?;
+            loss.backward()?;
+            let correct = logits
+                .detach()
+                .accuracy(&shard.y)?
+                .mul_scalar(shard.y.len() as f32);
+            metrics.push(BatchMetrics {
+                loss_sum: loss.detach(),
+                correct,
+                examples: shard.y.len(),
+            });
+        }
+        Ok(metrics)
+    }
+
+    /// Each replica's parameters.
+    fn parameter_lists(&self) -> Vec<Vec<Tensor>> {
+        self.replicas.iter().map(|r| r.parameters()).collect()
+    }
+
+    /// Per parameter, the sum of the replicas' gradients on the first device
+    /// (`None` where a replica has no gradient).
+    #[track_caller]
+    pub(super) fn local_gradient_sums(&self) -> Result<Vec<Option<Tensor>>> {
+        let params = self.parameter_lists();
+        let home = self.devices[0];
+        (0..params[0].len())
+            .map(|j| {
+                let mut sum: Option<Tensor> = None;
+                for ps in &params {
+                    let Some(g) = ps[j].grad() else {
+                        return Ok(None);
+                    };
+                    sum = Some(match sum {
+                        None => g.to(home)?,
+                        Some(s) => s.add(&g.to(home)?)?,
+                    });
+                }
+                Ok(sum)
+            })
+            .collect()
+    }
+
+    /// Every replica's optimizer steps with the same gradients (moved to its
+    /// device), scaled by `scale`.
+    #[track_caller]
+    pub(super) fn step_all(&mut self, grads: &[Option<Tensor>], lr: f32, scale: f32) -> Result<()> {
+        let params = self.parameter_lists();
+        for ((opt, ps), &device) in self.optimizers.iter_mut().zip(&params).zip(&self.devices) {
+            let here = grads
+                .iter()
+                .map(|g| g.as_ref().map(|g| g.to(device)).transpose())
+                .collect::<Result<Vec<_>>>()?;
+            opt.step_with(ps, &here, lr, scale)?;
+        }
+        Ok(())
+    }
+
+    /// Copies `values` (one per parameter, any device) into every replica.
+    #[track_caller]
+    pub(super) fn set_parameters(&self, values: &[Tensor]) -> Result<()> {
+        crate::no_grad(|| {
+            for (replica, &device) in self.replicas.iter().zip(&self.devices) {
+                for (p, v) in replica.parameters().iter().zip(values) {
+                    p.detach().copy_from(&v.to(device)?)?;
+                }
+            }
+            Ok(())
+        })
     }
 
     /// The number of correct predictions on `x` (split over the devices, no
