@@ -187,10 +187,7 @@ impl<'e> TaskBuilder<'e> {
     ///     .unwrap();
     /// assert!(handle.wait().unwrap_err().to_string().contains("the peer went away"));
     /// ```
-    pub fn run_deferred(
-        self,
-        f: impl FnOnce(Completion) + Send + 'static,
-    ) -> Result<TaskHandle> {
+    pub fn run_deferred(self, f: impl FnOnce(Completion) + Send + 'static) -> Result<TaskHandle> {
         if self.mismatch {
             return Err(crate::error::Error::EngineMismatch {
                 op: self.meta.name,

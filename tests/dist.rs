@@ -91,7 +91,10 @@ fn collectives_agree_with_sums_by_hand_whatever_order_inputs_are_ready() {
             *w.write() = 1;
         })
         .unwrap();
-        let a = Tensor::from_vec_in(e, vec![r, 1.0], [2]).unwrap().exp().log();
+        let a = Tensor::from_vec_in(e, vec![r, 1.0], [2])
+            .unwrap()
+            .exp()
+            .log();
         let sum = d.allreduce_sum(&a, "a").unwrap();
         let b = Tensor::from_vec_in(e, vec![r * 10.0], [1]).unwrap();
         let reduced = d.reduce_sum(&b, 2, "b").unwrap();
@@ -106,7 +109,10 @@ fn collectives_agree_with_sums_by_hand_whatever_order_inputs_are_ready() {
         )
     });
     for (rank, (sum, reduced, cast, n)) in out.into_iter().enumerate() {
-        assert!((sum[0] - 3.0).abs() < 1e-5 && (sum[1] - 3.0).abs() < 1e-5, "{sum:?}");
+        assert!(
+            (sum[0] - 3.0).abs() < 1e-5 && (sum[1] - 3.0).abs() < 1e-5,
+            "{sum:?}"
+        );
         let own = rank as f32 * 10.0;
         assert_eq!(reduced, vec![if rank == 2 { 30.0 } else { own }]);
         assert_eq!(cast, vec![1.0; 3]);
@@ -125,7 +131,9 @@ fn a_collective_on_a_gpu_tensor_comes_back_to_the_gpu() {
         return;
     };
     let out = on_ranks(Dist::in_process(2).unwrap(), |e, d| {
-        let x = Tensor::full_in(e, [4], d.rank() as f32 + 1.0).to(gpu).unwrap();
+        let x = Tensor::full_in(e, [4], d.rank() as f32 + 1.0)
+            .to(gpu)
+            .unwrap();
         let s = d.allreduce_sum(&x, "x").unwrap();
         (s.device(), s.to_vec().unwrap())
     });
@@ -146,8 +154,16 @@ fn a_wrong_sized_buffer_is_an_error_on_every_rank() {
             .unwrap_err()
             .to_string()
     });
-    assert!(out[0].contains("rank 1 sent 3 values, this rank (0) has 2"), "{}", out[0]);
-    assert!(out[1].contains("rank 0 sent 2 values, this rank (1) has 3"), "{}", out[1]);
+    assert!(
+        out[0].contains("rank 1 sent 3 values, this rank (0) has 2"),
+        "{}",
+        out[0]
+    );
+    assert!(
+        out[1].contains("rank 0 sent 2 values, this rank (1) has 3"),
+        "{}",
+        out[1]
+    );
     assert!(out[0].contains("gradient of layer 0"), "{}", out[0]);
 }
 
@@ -218,9 +234,15 @@ fn ranks_with_different_models_or_settings_refuse_to_start() {
         shapes.contains("the model's parameter shapes") && shapes.contains("rank 1 has"),
         "{shapes}"
     );
-    assert!(shapes.contains("[9, 4]") && shapes.contains("[8, 4]"), "{shapes}");
+    assert!(
+        shapes.contains("[9, 4]") && shapes.contains("[8, 4]"),
+        "{shapes}"
+    );
     let hyper = hyper.as_deref().unwrap_or("no error");
-    assert!(hyper.contains("hyperparameters") && hyper.contains("lr 0.2"), "{hyper}");
+    assert!(
+        hyper.contains("hyperparameters") && hyper.contains("lr 0.2"),
+        "{hyper}"
+    );
     assert!(out[1].0.as_deref().unwrap_or("").contains("rank 0 has"));
 }
 
@@ -253,7 +275,10 @@ fn close(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
     assert_eq!(a.len(), b.len());
     for (i, (p, q)) in a.iter().zip(b).enumerate() {
         for (x, y) in p.iter().zip(q) {
-            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{what}: parameter {i}: {x} vs {y}");
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "{what}: parameter {i}: {x} vs {y}"
+            );
         }
     }
 }
@@ -263,25 +288,40 @@ fn two_ranks_reach_the_parameters_of_one_process() {
     let reference = one_process();
     let start: Vec<Vec<f32>> = {
         let e = engine();
-        mlp(&e, 8, 3).parameters().iter().map(|p| p.to_vec().unwrap()).collect()
+        mlp(&e, 8, 3)
+            .parameters()
+            .iter()
+            .map(|p| p.to_vec().unwrap())
+            .collect()
     };
     assert_ne!(reference, start, "training moved the parameters");
     for strategy in [Strategy::AllReduce, Strategy::ParameterServer] {
         for overlap in [Overlap::PerLayer, Overlap::AfterBackward] {
             // Rank 1 starts from other weights: rank 0's are broadcast.
             let out = on_ranks(Dist::in_process(2).unwrap(), |e, d| {
-                let devices = if d.rank() == 0 { vec![Device::Cpu] } else { vec![Device::Cpu; 2] };
+                let devices = if d.rank() == 0 {
+                    vec![Device::Cpu]
+                } else {
+                    vec![Device::Cpu; 2]
+                };
                 let net = mlp(e, 8, 3 + d.rank() as u64 * 100);
-                let mut m = Distributed::new(d, &net, &devices, 0.9, 1e-3, strategy, overlap, "")
-                    .unwrap();
+                let mut m =
+                    Distributed::new(d, &net, &devices, 0.9, 1e-3, strategy, overlap, "").unwrap();
                 for step in 0..STEPS {
                     let (x, y) = batch(e, 10, step);
                     m.train_batch(&x, &y, 0.1).unwrap();
                 }
-                m.parameters().iter().map(|p| p.to_vec().unwrap()).collect::<Vec<_>>()
+                m.parameters()
+                    .iter()
+                    .map(|p| p.to_vec().unwrap())
+                    .collect::<Vec<_>>()
             });
             for (rank, params) in out.iter().enumerate() {
-                close(params, &reference, &format!("{strategy}, {overlap:?}, rank {rank}"));
+                close(
+                    params,
+                    &reference,
+                    &format!("{strategy}, {overlap:?}, rank {rank}"),
+                );
             }
         }
     }
@@ -289,7 +329,9 @@ fn two_ranks_reach_the_parameters_of_one_process() {
 
 #[test]
 fn lenet_trains_over_two_ranks_with_a_report_on_each() {
-    let images: Vec<f32> = (0..24 * 784).map(|i| ((i * 7) % 255) as f32 / 255.0).collect();
+    let images: Vec<f32> = (0..24 * 784)
+        .map(|i| ((i * 7) % 255) as f32 / 255.0)
+        .collect();
     let labels: Vec<u32> = (0..24).map(|i| (i % 10) as u32).collect();
     let data = lazyflow::data::Dataset {
         images,
@@ -318,7 +360,11 @@ fn lenet_trains_over_two_ranks_with_a_report_on_each() {
             Overlap::PerLayer,
         )
         .unwrap();
-        (report.epochs[0].train_loss, report.test_acc, report.epochs[0].comm_seconds)
+        (
+            report.epochs[0].train_loss,
+            report.test_acc,
+            report.epochs[0].comm_seconds,
+        )
     });
     // Sums are reduced over the ranks: both report the same figures.
     assert_eq!(out[0].0, out[1].0);

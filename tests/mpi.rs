@@ -45,14 +45,22 @@ fn mpirun(name: &str, env: &[(&str, &str)]) -> (bool, String, Duration) {
     let mut cmd = Command::new("mpirun");
     cmd.args(["-np", "2", "--oversubscribe", "--allow-run-as-root"])
         .arg(exe)
-        .args(["--exact", name, "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            name,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     for (k, v) in env {
         cmd.env(k, v);
     }
     let start = Instant::now();
-    let mut child = cmd.spawn().expect("mpirun is installed (apt-get install openmpi-bin)");
+    let mut child = cmd
+        .spawn()
+        .expect("mpirun is installed (apt-get install openmpi-bin)");
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
@@ -64,8 +72,18 @@ fn mpirun(name: &str, env: &[(&str, &str)]) -> (bool, String, Duration) {
         std::thread::sleep(Duration::from_millis(50));
     };
     let mut out = String::new();
-    child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-    child.stderr.take().unwrap().read_to_string(&mut out).unwrap();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
     (status.success(), out, start.elapsed())
 }
 
@@ -97,7 +115,10 @@ fn two_ranks_reach_the_parameters_of_one_process() {
             for rank in 0..2 {
                 let text = std::fs::read_to_string(dir.join(format!("rank{rank}.txt")))
                     .unwrap_or_else(|e| panic!("rank {rank} wrote nothing ({e}):\n{out}"));
-                let got: Vec<f32> = text.split_whitespace().map(|v| v.parse().unwrap()).collect();
+                let got: Vec<f32> = text
+                    .split_whitespace()
+                    .map(|v| v.parse().unwrap())
+                    .collect();
                 assert_eq!(got.len(), reference.len());
                 for (i, (a, b)) in got.iter().zip(&reference).enumerate() {
                     assert!(
@@ -133,8 +154,12 @@ fn rank_trains() {
         let (x, y) = batch(&e, step);
         m.train_batch(&x, &y, 0.1).unwrap();
     }
-    let text: Vec<String> = flat(&m.parameters()).iter().map(|v| v.to_string()).collect();
-    let path = std::path::Path::new(&var("LAZYFLOW_TEST_OUT")).join(format!("rank{}.txt", dist.rank()));
+    let text: Vec<String> = flat(&m.parameters())
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let path =
+        std::path::Path::new(&var("LAZYFLOW_TEST_OUT")).join(format!("rank{}.txt", dist.rank()));
     std::fs::write(path, text.join(" ")).unwrap();
 }
 
@@ -179,7 +204,9 @@ fn rank_faults() {
             let x = Tensor::full_in(&e, [n], 1.0);
             let err = dist.allreduce_sum(&x, "x").unwrap().to_vec().unwrap_err();
             // The ranks are still in step after a mismatch they all saw.
-            let ok = dist.allreduce_sum(&Tensor::full_in(&e, [2], 1.0), "y").unwrap();
+            let ok = dist
+                .allreduce_sum(&Tensor::full_in(&e, [2], 1.0), "y")
+                .unwrap();
             assert_eq!(ok.to_vec().unwrap(), vec![2.0, 2.0]);
             err.to_string()
         }
@@ -193,7 +220,10 @@ fn a_rank_that_stops_taking_part_is_named_after_the_timeout() {
     let (ok, out, took) = mpirun("rank_stops", &[("LAZYFLOW_DIST_TIMEOUT", "2")]);
     // Rank 0 reports rank 1 and ends the job (MPI_Abort): mpirun fails.
     assert!(!ok, "{out}");
-    assert!(out.contains("rank 1 did not reach this step within 2 s"), "{out}");
+    assert!(
+        out.contains("rank 1 did not reach this step within 2 s"),
+        "{out}"
+    );
     assert!(took < Duration::from_secs(60), "took {took:?}");
 }
 
@@ -203,7 +233,10 @@ fn rank_stops() {
     let dist = Dist::from_env().unwrap();
     let e = engine();
     let x = Tensor::full_in(&e, [2], 1.0);
-    assert_eq!(dist.allreduce_sum(&x, "x").unwrap().to_vec().unwrap(), vec![2.0; 2]);
+    assert_eq!(
+        dist.allreduce_sum(&x, "x").unwrap().to_vec().unwrap(),
+        vec![2.0; 2]
+    );
     if dist.rank() == 1 {
         // Leaves without the second step.
         return;

@@ -65,6 +65,9 @@ enum Op {
     Broadcast(usize),
     /// Every rank checks that the others hold the same description.
     Agree,
+    /// The transport's allreduce called directly: no header, no task (the
+    /// peer of [`Dist::allreduce_sum`] in benchmarks).
+    Raw,
 }
 
 impl Op {
@@ -74,6 +77,7 @@ impl Op {
             Op::Reduce(_) => "reduce",
             Op::Broadcast(_) => "broadcast",
             Op::Agree => "agree",
+            Op::Raw => "raw allreduce",
         }
     }
 
@@ -83,6 +87,7 @@ impl Op {
             Op::Reduce(r) => (2, r as u64),
             Op::Broadcast(r) => (3, r as u64),
             Op::Agree => (4, 0),
+            Op::Raw => (5, 0),
         }
     }
 }
@@ -177,6 +182,8 @@ struct Counts {
     collectives: AtomicU64,
     bytes: AtomicU64,
     nanos: AtomicU64,
+    /// The last raw allreduce's time inside the transport.
+    raw_nanos: AtomicU64,
 }
 
 struct Inner {
@@ -269,7 +276,10 @@ impl Dist {
 
     #[cfg(feature = "mpi")]
     fn mpi(_ranks: usize, timeout: Duration) -> Result<Dist> {
-        Dist::start(move || mpi::Mpi::init().map(|m| Box::new(m) as Box<dyn Transport>), timeout)
+        Dist::start(
+            move || mpi::Mpi::init().map(|m| Box::new(m) as Box<dyn Transport>),
+            timeout,
+        )
     }
 
     #[cfg(not(feature = "mpi"))]
@@ -455,6 +465,37 @@ impl Dist {
         }
     }
 
+    /// The transport's own allreduce (for MPI, `MPI_Allreduce`) on `data`,
+    /// called directly on the communication thread: no header exchange, no
+    /// engine task, no timeout. Every rank must call it at the same point.
+    /// Blocks until it is done, and returns the sums and the time the call
+    /// took; for measuring what [`Dist::allreduce_sum`] adds to it.
+    pub fn raw_allreduce(&self, data: Vec<f32>) -> Result<(Vec<f32>, Duration)> {
+        let (tx, rx) = mpsc::channel();
+        let seq = self.inner.next.fetch_add(1, Ordering::SeqCst);
+        self.inner.send(Step {
+            seq,
+            label: "a benchmark".into(),
+            op: Op::Raw,
+            data: Some(data),
+            text: String::new(),
+            reply: Some(Box::new(move |r| {
+                let _ = tx.send(r);
+            })),
+        });
+        let failed = |reason: String| Error::Distributed {
+            step: "raw allreduce".into(),
+            reason,
+        };
+        let sums = rx
+            .recv()
+            .map_err(|_| failed("the communication thread has ended".into()))?
+            .map_err(failed)?;
+        // The reply came through the channel after the store.
+        let nanos = self.inner.counts.raw_nanos.load(Ordering::Relaxed);
+        Ok((sums, Duration::from_nanos(nanos)))
+    }
+
     fn collective(&self, t: &Tensor, op: Op, label: &str, location: Location) -> Result<Tensor> {
         if let Op::Reduce(root) | Op::Broadcast(root) = op {
             if root >= self.inner.size {
@@ -590,20 +631,36 @@ fn serve(
     let mut abort = false;
     while let Ok(step) = rx.recv() {
         waiting.insert(step.seq, step);
-        while let Some(step) = waiting.remove(&next) {
+        while let Some(mut step) = waiting.remove(&next) {
             next += 1;
+            if step.op == Op::Raw {
+                let mut data = step.data.take().unwrap_or_default();
+                let start = Instant::now();
+                let result = transport.allreduce_sum(&mut data);
+                counts
+                    .raw_nanos
+                    .store(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                if let Some(reply) = step.reply {
+                    reply(
+                        result
+                            .map(|()| data)
+                            .map_err(|_| "raw allreduce failed".into()),
+                    );
+                }
+                continue;
+            }
             let result = match &broken {
                 Some(first) => Err(format!(
                     "an earlier step failed, so the ranks are out of step: {first}"
                 )),
                 None => {
                     let start = Instant::now();
-                    let result = run_step(transport.as_mut(), &step, timeout);
+                    let len = step.data.as_ref().map_or(0, Vec::len);
+                    let result = run_step(transport.as_mut(), &mut step, timeout);
                     counts
                         .nanos
                         .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     counts.collectives.fetch_add(1, Ordering::Relaxed);
-                    let len = step.data.as_ref().map_or(0, Vec::len);
                     counts.bytes.fetch_add(4 * len as u64, Ordering::Relaxed);
                     // A mismatch every rank saw leaves them in step; a
                     // rank that did not arrive may still be anywhere.
@@ -629,7 +686,7 @@ fn serve(
 /// transport failure, as against a mismatch every rank saw).
 fn run_step(
     t: &mut dyn Transport,
-    step: &Step,
+    step: &mut Step,
     timeout: Duration,
 ) -> std::result::Result<Vec<f32>, (String, bool)> {
     let me = t.rank();
@@ -652,11 +709,16 @@ fn run_step(
             true,
         ),
     };
-    let all = t.exchange(&mine.bytes(), Instant::now() + timeout).map_err(fail)?;
+    let all = t
+        .exchange(&mine.bytes(), Instant::now() + timeout)
+        .map_err(fail)?;
     let headers: Vec<Option<Header>> = all.iter().map(|b| Header::parse(b)).collect();
     for (r, h) in headers.iter().enumerate() {
         let Some(h) = h else {
-            return Err((format!("{name}: rank {r} sent a message that is not a header"), true));
+            return Err((
+                format!("{name}: rank {r} sent a message that is not a header"),
+                true,
+            ));
         };
         if h.seq != mine.seq || h.op != mine.op {
             return Err((
@@ -685,11 +747,14 @@ fn run_step(
             ));
         }
     }
-    let Some(data) = &step.data else {
+    let Some(mut data) = step.data.take() else {
         return Err((format!("{name}: this rank's input failed"), false));
     };
     if step.op == Op::Agree {
-        if let Some(r) = headers.iter().position(|h| h.map(|h| h.hash) != Some(mine.hash)) {
+        if let Some(r) = headers
+            .iter()
+            .position(|h| h.map(|h| h.hash) != Some(mine.hash))
+        {
             // Everyone saw a mismatch: trade the descriptions for the message.
             let texts = t
                 .exchange(step.text.as_bytes(), Instant::now() + timeout)
@@ -706,12 +771,12 @@ fn run_step(
         }
         return Ok(Vec::new());
     }
-    let mut data = data.clone();
     let result = match step.op {
         Op::AllReduce => t.allreduce_sum(&mut data),
         Op::Reduce(root) => t.reduce_sum(&mut data, root),
         Op::Broadcast(root) => t.broadcast(&mut data, root),
         Op::Agree => Ok(()),
+        Op::Raw => t.allreduce_sum(&mut data),
     };
     result.map_err(fail)?;
     Ok(data)
@@ -723,6 +788,7 @@ fn describe_op(op: (u64, u64)) -> String {
         (2, r) => format!("reduce to rank {r}"),
         (3, r) => format!("broadcast from rank {r}"),
         (4, _) => "agreement".into(),
+        (5, _) => "raw allreduce".into(),
         (c, _) => format!("unknown operation {c}"),
     }
 }

@@ -92,7 +92,7 @@ impl Transport for Mpi {
             // Poll fast at first (the others are usually there), then back
             // off so a long wait does not burn a core.
             std::thread::sleep(nap);
-            nap = (nap * 2).min(Duration::from_millis(2));
+            nap = (nap * 2).min(Duration::from_micros(200));
         }
     }
 
@@ -119,7 +119,9 @@ impl Transport for Mpi {
     }
 
     fn broadcast(&mut self, data: &mut [f32], root: usize) -> std::result::Result<(), CommFailure> {
-        self.world.process_at_rank(root as Rank).broadcast_into(data);
+        self.world
+            .process_at_rank(root as Rank)
+            .broadcast_into(data);
         Ok(())
     }
 

@@ -714,11 +714,7 @@ fn execute(shared: &Shared, node: &NodeRef) -> Option<(Outcome, Option<Job>)> {
 /// completion, which fails the node; a panic after that leaves the ending to
 /// whoever holds it.
 #[cold]
-fn start_deferred(
-    shared: &Shared,
-    node: &NodeRef,
-    mut job: Job,
-) -> Option<(Outcome, Option<Job>)> {
+fn start_deferred(shared: &Shared, node: &NodeRef, mut job: Job) -> Option<(Outcome, Option<Job>)> {
     let Some(me) = shared.me.upgrade() else {
         return Some((Outcome::Failed("the engine is gone".into()), Some(job)));
     };

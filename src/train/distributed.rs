@@ -173,7 +173,10 @@ impl Distributed {
     pub fn share(&self, n: usize) -> (usize, usize) {
         let (size, rank) = (self.dist.size(), self.dist.rank());
         let (base, extra) = (n / size, n % size);
-        (rank * base + rank.min(extra), base + usize::from(rank < extra))
+        (
+            rank * base + rank.min(extra),
+            base + usize::from(rank < extra),
+        )
     }
 
     /// The smallest global batch every device of every rank gets an example of.

@@ -19,8 +19,8 @@ pub use parallel::{
 };
 
 use crate::data::Dataset;
-use crate::dist::Dist;
 use crate::device::Device;
+use crate::dist::Dist;
 use crate::error::{Error, Result};
 use crate::nn::Sequential;
 use crate::tensor::Tensor;
