@@ -55,6 +55,9 @@ struct Args {
     /// Tests on at most this many images (0: all 10,000).
     #[arg(long, default_value_t = 0)]
     test: usize,
+    /// Weight initialisation: `book` (normal x 0.01) or `kaiming`.
+    #[arg(long, default_value = "book")]
+    init: String,
     /// Worker threads per process (0: the cores divided among the processes
     /// on this machine).
     #[arg(long, default_value_t = 0)]
