@@ -71,14 +71,14 @@ impl Transport for Mpi {
         let mut nap = Duration::from_micros(5);
         loop {
             let mut missing = Vec::new();
-            for r in 0..n {
-                if got[r].is_some() {
+            for (r, slot) in got.iter_mut().enumerate() {
+                if slot.is_some() {
                     continue;
                 }
                 let source = self.world.process_at_rank(r as Rank);
                 if source.immediate_probe_with_tag(HEADER_TAG).is_some() {
                     let (bytes, _status) = source.receive_vec_with_tag::<u8>(HEADER_TAG);
-                    got[r] = Some(bytes);
+                    *slot = Some(bytes);
                 } else {
                     missing.push(r);
                 }

@@ -112,6 +112,7 @@ impl Distributed {
     /// description of everything that must match, must agree), and started
     /// from rank 0's parameters.
     #[track_caller]
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         dist: &Dist,
         model: &Sequential,
