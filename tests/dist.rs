@@ -384,3 +384,31 @@ fn without_the_mpi_feature_several_ranks_are_an_error() {
     assert!(matches!(err, Error::Config(_)));
     assert!(err.to_string().contains("--features mpi"), "{err}");
 }
+
+#[test]
+fn a_rank_whose_input_failed_tells_the_others_instead_of_leaving_them_waiting() {
+    let out = on_ranks(Dist::in_process(2).unwrap(), |e, d| {
+        // Rank 1's input cannot be allocated (2^42 floats): its task fails,
+        // and the collective that reads it never runs.
+        let n = if d.rank() == 1 { 1usize << 42 } else { 2 };
+        let x = Tensor::full_in(e, [n], 1.0);
+        let first = d
+            .allreduce_sum(&x, "x")
+            .unwrap()
+            .to_vec()
+            .unwrap_err()
+            .to_string();
+        // Every rank saw it: they stay in step.
+        let y = d.allreduce_sum(&Tensor::full_in(e, [1], 1.0), "y").unwrap();
+        (first, y.to_vec().unwrap())
+    });
+    assert!(
+        out[0].0.contains("rank 1 could not take part"),
+        "{}",
+        out[0].0
+    );
+    assert!(out[1].0.contains("out of memory"), "{}", out[1].0);
+    for (_, y) in out {
+        assert_eq!(y, vec![2.0]);
+    }
+}
