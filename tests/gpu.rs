@@ -837,3 +837,29 @@ fn a_read_amid_other_work_compiles_no_new_kernel(gpu: Device) {
     }
 }
 gpu_test!(a_read_amid_other_work_compiles_no_new_kernel);
+
+fn a_fused_value_nothing_reads_gets_no_gpu_memory(gpu: Device) {
+    // 640 ops of `x = x + 1` in groups of 64: only each group's last value is
+    // written, so only those (and the info buffers of their kernels) are
+    // given memory, not one buffer per op.
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let x0 = Tensor::zeros_in(&e, [64]).to(gpu).unwrap();
+        x0.wait_to_read().unwrap();
+        let (b0, k0) = (e.gpu_buffers_backed(gpu), e.kernels_dispatched(gpu));
+        let mut x = x0;
+        for _ in 0..640 {
+            x = &x + 1.0;
+        }
+        assert_eq!(x.to_vec().unwrap(), vec![640.0; 64], "{mode:?}");
+        let buffers = e.gpu_buffers_backed(gpu) - b0;
+        let kernels = e.kernels_dispatched(gpu) - k0;
+        // Per kernel: its written value and its info buffer.
+        assert!(
+            buffers <= 2 * kernels + 2 && kernels <= 20,
+            "{mode:?} on {}: {buffers} buffers given memory for 640 ops in {kernels} kernels",
+            common::describe(gpu)
+        );
+    }
+}
+gpu_test!(a_fused_value_nothing_reads_gets_no_gpu_memory);

@@ -231,12 +231,25 @@ pub(crate) struct Pool {
     classes: Mutex<HashMap<u64, Vec<wgpu::Buffer>>>,
 }
 
-/// Buffers kept per size class at most; the rest are freed.
-const POOL_PER_CLASS: usize = 32;
+/// Idle buffers kept per size class: up to this many bytes' worth, and never
+/// fewer than [`POOL_MIN_PER_CLASS`] nor more than [`POOL_MAX_PER_CLASS`];
+/// the rest are freed. A fusion group of 64 small ops holds 64 buffers until it
+/// is encoded, and a chain of such groups takes them back in turn: with 32 per
+/// class, half of every group's buffers were created anew (a `vkCreateBuffer`
+/// and an allocation each, about a fifth of a small op's cost on lavapipe).
+const POOL_BYTES_PER_CLASS: u64 = 64 << 20;
+const POOL_MIN_PER_CLASS: usize = 4;
+const POOL_MAX_PER_CLASS: usize = 1024;
 
 impl Pool {
     fn class(bytes: u64) -> u64 {
         bytes.max(256).next_power_of_two()
+    }
+
+    /// Idle buffers kept of `class` bytes each.
+    fn keep(class: u64) -> usize {
+        ((POOL_BYTES_PER_CLASS / class.max(1)) as usize)
+            .clamp(POOL_MIN_PER_CLASS, POOL_MAX_PER_CLASS)
     }
 
     fn take(&self, class: u64) -> Option<wgpu::Buffer> {
@@ -246,7 +259,7 @@ impl Pool {
     fn give(&self, class: u64, buffer: wgpu::Buffer) {
         let mut classes = lock(&self.classes);
         let list = classes.entry(class).or_default();
-        if list.len() < POOL_PER_CLASS {
+        if list.len() < Pool::keep(class) {
             list.push(buffer);
         }
     }
@@ -255,7 +268,9 @@ impl Pool {
 /// A storage buffer from a device's pool, bound with its exact length; it goes
 /// back to the pool when dropped.
 pub(crate) struct GpuBuffer {
-    buffer: Option<wgpu::Buffer>,
+    /// Created on first use for a buffer from [`Gpu::alloc_lazy`]: a fused
+    /// op's value that nothing outside its kernel reads never gets one.
+    buffer: std::sync::OnceLock<wgpu::Buffer>,
     /// Set when a kernel, copy or upload writes the buffer.
     stamp: Mutex<Option<Stamp>>,
     /// The bytes in use (bindings cover exactly these).
@@ -271,8 +286,14 @@ impl std::fmt::Debug for GpuBuffer {
 }
 
 impl GpuBuffer {
-    fn raw(&self) -> &wgpu::Buffer {
-        self.buffer.as_ref().expect("present until dropped")
+    /// The wgpu buffer, created now (from the pool) if it has none yet.
+    fn raw(&self, gpu: &Gpu) -> Result<&wgpu::Buffer, String> {
+        if let Some(b) = self.buffer.get() {
+            return Ok(b);
+        }
+        let created = gpu.pooled(self.class)?;
+        // Another thread may have created one meanwhile: then ours is freed.
+        Ok(self.buffer.get_or_init(|| created))
     }
 
     /// Adds the fates this value depends on that are open or failed.
@@ -313,12 +334,12 @@ impl GpuBuffer {
         }
     }
 
-    fn binding(&self) -> wgpu::BindingResource<'_> {
-        wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-            buffer: self.raw(),
+    fn binding(&self, gpu: &Gpu) -> Result<wgpu::BindingResource<'_>, String> {
+        Ok(wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer: self.raw(gpu)?,
             offset: 0,
             size: std::num::NonZeroU64::new(self.bytes),
-        })
+        }))
     }
 }
 
@@ -421,6 +442,9 @@ pub(crate) struct Gpu {
     pool: Arc<Pool>,
     /// Kernels dispatched so far (Relaxed: a statistic).
     pub(crate) dispatched: std::sync::atomic::AtomicU64,
+    /// Tensor buffers given memory so far, from the pool or new (Relaxed: a
+    /// statistic).
+    pub(crate) buffers_backed: std::sync::atomic::AtomicU64,
     /// Pipelines compiled so far, i.e. misses of the pipeline cache (Relaxed:
     /// a statistic).
     pub(crate) compiled: std::sync::atomic::AtomicU64,
@@ -606,6 +630,7 @@ impl Gpu {
                 classes: Mutex::new(HashMap::new()),
             }),
             dispatched: std::sync::atomic::AtomicU64::new(0),
+            buffers_backed: std::sync::atomic::AtomicU64::new(0),
             compiled: std::sync::atomic::AtomicU64::new(0),
             fusion: options.fusion,
             deferred: Mutex::new(None),
@@ -674,6 +699,15 @@ impl Gpu {
     /// A storage buffer for `n` floats, from the pool when one of its size class
     /// is free (its contents are undefined until a kernel or a copy writes them).
     pub(crate) fn alloc(&self, n: usize) -> Result<GpuBuffer, String> {
+        let out = self.alloc_lazy(n)?;
+        out.raw(self)?;
+        Ok(out)
+    }
+
+    /// A buffer for `n` floats whose memory is taken from the pool (or
+    /// created) only when something first binds, copies or reads it; one that
+    /// is dropped before that never costs any.
+    pub(crate) fn alloc_lazy(&self, n: usize) -> Result<GpuBuffer, String> {
         self.check_lost()?;
         let bytes = (n.max(1) * 4) as u64;
         if bytes > self.max_binding {
@@ -687,8 +721,21 @@ impl Gpu {
         } else {
             bytes
         };
-        let buffer = match self.pool.take(class) {
-            Some(b) => b,
+        Ok(GpuBuffer {
+            buffer: std::sync::OnceLock::new(),
+            stamp: Mutex::new(None),
+            bytes,
+            class,
+            pool: self.pool.clone(),
+        })
+    }
+
+    /// A buffer of `class` bytes from the pool, or a new one.
+    fn pooled(&self, class: u64) -> Result<wgpu::Buffer, String> {
+        self.buffers_backed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match self.pool.take(class) {
+            Some(b) => Ok(b),
             None => self.scoped(|| {
                 self.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("lazyflow tensor"),
@@ -698,15 +745,8 @@ impl Gpu {
                         | wgpu::BufferUsages::COPY_DST,
                     mapped_at_creation: false,
                 })
-            })?,
-        };
-        Ok(GpuBuffer {
-            buffer: Some(buffer),
-            stamp: Mutex::new(None),
-            bytes,
-            class,
-            pool: self.pool.clone(),
-        })
+            }),
+        }
     }
 
     /// A new buffer holding `data`, copied in through the open batch.
@@ -737,7 +777,7 @@ impl Gpu {
         })??;
         let mut batch = lock(&self.batch);
         let encoder = self.encoder(&mut batch);
-        encoder.copy_buffer_to_buffer(&staging, 0, out.raw(), 0, bytes.len() as u64);
+        encoder.copy_buffer_to_buffer(&staging, 0, out.raw(self)?, 0, bytes.len() as u64);
         out.stamp(SmallVec::from_elem(batch.fate.clone(), 1));
         batch.writers.note();
         Ok(out)
@@ -765,7 +805,7 @@ impl Gpu {
         let index = {
             let mut batch = lock(&self.batch);
             let encoder = self.encoder(&mut batch);
-            encoder.copy_buffer_to_buffer(buffer.raw(), 0, &staging, 0, size);
+            encoder.copy_buffer_to_buffer(buffer.raw(self)?, 0, &staging, 0, size);
             self.submit_locked(&mut batch)?
         };
         let (tx, rx) = std::sync::mpsc::channel();
@@ -920,11 +960,13 @@ impl Gpu {
             .map(|(b, _)| *b)
             .chain(info.as_ref())
             .enumerate()
-            .map(|(i, b)| wgpu::BindGroupEntry {
-                binding: i as u32,
-                resource: b.binding(),
+            .map(|(i, b)| {
+                Ok(wgpu::BindGroupEntry {
+                    binding: i as u32,
+                    resource: b.binding(self)?,
+                })
             })
-            .collect();
+            .collect::<Result<_, String>>()?;
         let bind_group = self.scoped(|| {
             self.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: None,
@@ -966,9 +1008,10 @@ impl Gpu {
             return Ok(());
         }
         self.encode_deferred()?;
+        let (from, to) = (src.raw(self)?, dst.raw(self)?);
         let mut batch = lock(&self.batch);
         self.encoder(&mut batch)
-            .copy_buffer_to_buffer(src.raw(), 0, dst.raw(), 0, size);
+            .copy_buffer_to_buffer(from, 0, to, 0, size);
         lineage.push(batch.fate.clone());
         batch.writers.note();
         dst.stamp(lineage);
@@ -1139,5 +1182,19 @@ impl Gpu {
             Ok(_) => Err(format!("injected {point:?} failure")),
             Err(_) => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pool;
+
+    #[test]
+    fn the_pool_keeps_many_small_buffers_and_few_large_ones() {
+        // 64 MiB of idle buffers per class, between 4 and 1,024 of them.
+        assert_eq!(Pool::keep(256), 1024);
+        assert_eq!(Pool::keep(1 << 20), 64);
+        assert_eq!(Pool::keep(64 << 20), 4);
+        assert_eq!(Pool::keep(1 << 30), 4);
     }
 }

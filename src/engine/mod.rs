@@ -537,6 +537,18 @@ impl Engine {
         }
     }
 
+    /// Tensor buffers given memory so far on a GPU device (taken from its pool
+    /// of idle buffers or created; 0 for the CPU). A fused elementwise op's
+    /// value that nothing outside its kernel reads is never given any.
+    pub fn gpu_buffers_backed(&self, device: Device) -> u64 {
+        match device {
+            Device::Gpu(i) => self.shared().gpus().get(i).map_or(0, |g| {
+                g.buffers_backed.load(std::sync::atomic::Ordering::Relaxed)
+            }),
+            Device::Cpu => 0,
+        }
+    }
+
     /// Kernels compiled so far on a GPU device (0 for the CPU): the misses of
     /// its compiled-kernel cache. A program that runs again should compile
     /// nothing new: fused kernels are cached by their structure.

@@ -428,7 +428,9 @@ impl Tensor {
         let pending = gpu.expect_node();
         let seq = super::fusion::record_order();
         t.push_fallible(move || {
-            let buf = gpu.alloc(n)?;
+            // Memory only if the value is written: when something outside the
+            // fused kernel can still read it (see `fusion.rs`).
+            let buf = gpu.alloc_lazy(n)?;
             *o.write() = Data::Gpu(buf);
             let inputs = tokens
                 .into_iter()
@@ -470,7 +472,7 @@ impl Tensor {
         let b = (!self.same_data(other)).then(|| t.read(&other.var));
         let pending = gpu.expect_node();
         t.push_fallible(move || {
-            let buf = gpu.alloc(n)?;
+            let buf = gpu.alloc_lazy(n)?;
             {
                 let ga = a.read();
                 let ab = ga.gpu()?;
@@ -527,7 +529,7 @@ impl Tensor {
         let pending = gpu.expect_node();
         // Cannot fail: both Vars belong to this engine.
         let _ = t.push_fallible(move || {
-            let buf = gpu.alloc(n)?;
+            let buf = gpu.alloc_lazy(n)?;
             encode(&gpu, a.read().gpu()?, &buf)?;
             *o.write() = Data::Gpu(buf);
             drop(pending);
@@ -559,7 +561,7 @@ impl Tensor {
         let o = t.write(&out.var);
         let pending = gpu.expect_node();
         t.push_fallible(move || {
-            let buf = gpu.alloc(n)?;
+            let buf = gpu.alloc_lazy(n)?;
             {
                 let ga = a.read();
                 let ab = ga.gpu()?;
@@ -839,7 +841,7 @@ impl Tensor {
         let r = t.read(&src.var);
         let pending = gpu.expect_node();
         t.push_fallible(move || {
-            let buf = gpu.alloc(n)?;
+            let buf = gpu.alloc_lazy(n)?;
             gpu.copy(r.read().gpu()?, &buf, (n * 4) as u64)?;
             *w.write() = Data::Gpu(buf);
             drop(pending);
