@@ -863,3 +863,35 @@ fn a_fused_value_nothing_reads_gets_no_gpu_memory(gpu: Device) {
     }
 }
 gpu_test!(a_fused_value_nothing_reads_gets_no_gpu_memory);
+
+fn many_small_and_large_uploads_in_one_batch_keep_their_values(gpu: Device) {
+    // Small uploads share a staging belt per batch (256 KiB); 2,000 of 400
+    // bytes fill several, and large ones (over 64 KiB) go their own way in
+    // between. Each value must come back as it went.
+    let e = engine(Mode::Lazy);
+    let sizes: Vec<usize> = (0..2_000)
+        .map(|i| if i % 500 == 7 { 40_000 } else { 100 })
+        .collect();
+    let sources: Vec<Vec<f32>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (0..n).map(|j| (i * 7 + j) as f32).collect())
+        .collect();
+    let on_gpu: Vec<Tensor> = sources
+        .iter()
+        .map(|v| Tensor::from_vec_in(&e, v.clone(), [v.len()]).unwrap().to(gpu).unwrap())
+        .collect();
+    // One sum over all of them makes every upload part of one flush.
+    let total = on_gpu
+        .iter()
+        .map(|t| t.sum())
+        .reduce(|a, b| &a + &b)
+        .unwrap();
+    let want: f64 = sources.iter().flatten().map(|&v| v as f64).sum();
+    let got = total.to(Device::Cpu).unwrap().item().unwrap() as f64;
+    assert!((got - want).abs() <= want * 1e-5, "{got} vs {want}");
+    for (t, v) in on_gpu.iter().zip(&sources).step_by(97) {
+        assert_eq!(&t.to_vec().unwrap(), v);
+    }
+}
+gpu_test!(many_small_and_large_uploads_in_one_batch_keep_their_values);

@@ -239,7 +239,7 @@ pub(crate) struct Pool {
 /// and an allocation each, about a fifth of a small op's cost on lavapipe).
 const POOL_BYTES_PER_CLASS: u64 = 64 << 20;
 const POOL_MIN_PER_CLASS: usize = 4;
-const POOL_MAX_PER_CLASS: usize = 1024;
+const POOL_MAX_PER_CLASS: usize = 65_536;
 
 impl Pool {
     fn class(bytes: u64) -> u64 {
@@ -379,12 +379,28 @@ impl Drop for Pending {
 
 struct Batch {
     encoder: Option<wgpu::CommandEncoder>,
+    /// Staging memory for the small uploads of this batch (kernel info
+    /// buffers, mostly), mapped until the batch is submitted.
+    belt: Option<Belt>,
     dispatches: usize,
     /// The fate of what is encoded into `encoder`.
     fate: Arc<Fate>,
     /// Which ops wrote in this batch, for the failure message.
     writers: Writers,
 }
+
+/// One mapped staging buffer that the small uploads of a batch share: a
+/// kernel's info buffer used to cost a staging buffer of its own, and with
+/// thousands of tensors alive the allocator's search for its memory grew with
+/// them.
+struct Belt {
+    buffer: wgpu::Buffer,
+    used: u64,
+}
+
+/// Bytes of one batch's upload belt; larger uploads get a staging buffer of
+/// their own.
+const BELT_BYTES: u64 = 256 << 10;
 
 /// The first few ops that wrote in a batch or group, and how many more.
 #[derive(Default)]
@@ -617,6 +633,7 @@ impl Gpu {
             queue,
             batch: Mutex::new(Batch {
                 encoder: None,
+                belt: None,
                 dispatches: 0,
                 fate: Fate::new(),
                 writers: Writers::default(),
@@ -758,10 +775,29 @@ impl Gpu {
             return Ok(out);
         }
         let bytes: &[u8] = bytemuck::cast_slice(data);
+        let len = bytes.len() as u64;
+        if len <= BELT_BYTES / 4 {
+            let to = out.raw(self)?;
+            let mut batch = lock(&self.batch);
+            let at = self.belt_space(&mut batch, len)?;
+            let Some(belt) = &batch.belt else {
+                return Err("internal error: no upload belt".into());
+            };
+            match belt.buffer.slice(at..at + len).get_mapped_range_mut() {
+                Ok(mut view) => view.copy_from_slice(bytes),
+                Err(e) => return Err(e.to_string()),
+            }
+            let from = belt.buffer.clone();
+            self.encoder(&mut batch)
+                .copy_buffer_to_buffer(&from, at, to, 0, len);
+            out.stamp(SmallVec::from_elem(batch.fate.clone(), 1));
+            batch.writers.note();
+            return Ok(out);
+        }
         let staging = self.scoped(|| {
             let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("lazyflow upload"),
-                size: bytes.len() as u64,
+                size: len,
                 usage: wgpu::BufferUsages::COPY_SRC,
                 mapped_at_creation: true,
             });
@@ -777,10 +813,40 @@ impl Gpu {
         })??;
         let mut batch = lock(&self.batch);
         let encoder = self.encoder(&mut batch);
-        encoder.copy_buffer_to_buffer(&staging, 0, out.raw(self)?, 0, bytes.len() as u64);
+        encoder.copy_buffer_to_buffer(&staging, 0, out.raw(self)?, 0, len);
         out.stamp(SmallVec::from_elem(batch.fate.clone(), 1));
         batch.writers.note();
         Ok(out)
+    }
+
+    /// The offset of `len` free bytes in the open batch's upload belt (a new
+    /// belt when it has none or this does not fit: the full one is submitted
+    /// with the batch like any staging buffer).
+    fn belt_space(&self, batch: &mut Batch, len: u64) -> Result<u64, String> {
+        // Mapped ranges start at multiples of 8 (wgpu's MAP_ALIGNMENT).
+        let fits = |b: &Belt| b.used.next_multiple_of(8) + len <= BELT_BYTES;
+        if !batch.belt.as_ref().is_some_and(fits) {
+            if let Some(full) = batch.belt.take() {
+                // Its copies are encoded; it is unmapped before the submit
+                // that runs them (see `submit_locked`), so keep it until then.
+                full.buffer.unmap();
+            }
+            let buffer = self.scoped(|| {
+                self.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("lazyflow upload belt"),
+                    size: BELT_BYTES,
+                    usage: wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: true,
+                })
+            })?;
+            batch.belt = Some(Belt { buffer, used: 0 });
+        }
+        let Some(belt) = batch.belt.as_mut() else {
+            return Err("internal error: no upload belt".into());
+        };
+        let at = belt.used.next_multiple_of(8);
+        belt.used = at + len;
+        Ok(at)
     }
 
     /// Copies `n` floats out of `buffer`: submits the open batch (which holds
@@ -1066,6 +1132,11 @@ impl Gpu {
 
     fn submit_locked(&self, batch: &mut Batch) -> Result<Option<wgpu::SubmissionIndex>, String> {
         batch.dispatches = 0;
+        // The belt's copies are in this batch: a mapped buffer cannot be used
+        // by a submission.
+        if let Some(belt) = batch.belt.take() {
+            belt.buffer.unmap();
+        }
         let Some(encoder) = batch.encoder.take() else {
             return Ok(None);
         };
@@ -1191,8 +1262,8 @@ mod tests {
 
     #[test]
     fn the_pool_keeps_many_small_buffers_and_few_large_ones() {
-        // 64 MiB of idle buffers per class, between 4 and 1,024 of them.
-        assert_eq!(Pool::keep(256), 1024);
+        // 64 MiB of idle buffers per class, between 4 and 65,536 of them.
+        assert_eq!(Pool::keep(256), 65_536);
         assert_eq!(Pool::keep(1 << 20), 64);
         assert_eq!(Pool::keep(64 << 20), 4);
         assert_eq!(Pool::keep(1 << 30), 4);
