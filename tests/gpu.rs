@@ -879,7 +879,12 @@ fn many_small_and_large_uploads_in_one_batch_keep_their_values(gpu: Device) {
         .collect();
     let on_gpu: Vec<Tensor> = sources
         .iter()
-        .map(|v| Tensor::from_vec_in(&e, v.clone(), [v.len()]).unwrap().to(gpu).unwrap())
+        .map(|v| {
+            Tensor::from_vec_in(&e, v.clone(), [v.len()])
+                .unwrap()
+                .to(gpu)
+                .unwrap()
+        })
         .collect();
     // One sum over all of them makes every upload part of one flush.
     let total = on_gpu

@@ -46,8 +46,8 @@
 
 use super::tune::Autotune;
 use crate::error::Location;
+use rustc_hash::FxHashMap as HashMap;
 use smallvec::SmallVec;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -638,13 +638,13 @@ impl Gpu {
                 fate: Fate::new(),
                 writers: Writers::default(),
             }),
-            pipelines: Mutex::new(HashMap::new()),
+            pipelines: Mutex::new(HashMap::default()),
             max_binding: limits
                 .max_storage_buffer_binding_size
                 .min(limits.max_buffer_size),
             pending: std::sync::atomic::AtomicUsize::new(0),
             pool: Arc::new(Pool {
-                classes: Mutex::new(HashMap::new()),
+                classes: Mutex::new(HashMap::default()),
             }),
             dispatched: std::sync::atomic::AtomicU64::new(0),
             buffers_backed: std::sync::atomic::AtomicU64::new(0),

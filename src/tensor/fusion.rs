@@ -38,7 +38,7 @@ use crate::device::gpu::{
     Access, DeferredEncode, Fate, Gpu, GpuBuffer, Grid, KernelSource, Lineage, Writers,
 };
 use crate::var::{Read, Write};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::fmt::Write as _;
 
 /// Ops per fused kernel at most.
@@ -161,8 +161,8 @@ impl Fuser {
             dims: dims.to_vec(),
             ops: Vec::new(),
             leaves: Vec::new(),
-            leaf_ids: HashMap::new(),
-            outputs: HashMap::new(),
+            leaf_ids: HashMap::default(),
+            outputs: HashMap::default(),
             fate: Fate::new(),
             writers: Writers::default(),
         });
@@ -377,6 +377,10 @@ fn segment_end(
     end: usize,
     max: usize,
 ) -> usize {
+    // Most groups fit whole: one plan instead of one per op.
+    if Plan::of(group, kept, last_use, start..end).bindings() <= max {
+        return end;
+    }
     let mut stop = start + 1;
     while stop < end && Plan::of(group, kept, last_use, start..stop + 1).bindings() <= max {
         stop += 1;
