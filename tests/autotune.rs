@@ -1,6 +1,6 @@
 //! The matrix product's kernel variants and the autotuner that picks among
 //! them, on every GPU adapter: each variant against a plain f64 reference on
-//! odd sizes (one test per variant), the tuner's choice and its cache file,
+//! odd and vec4-aligned sizes (one test per variant), the tuner's choice and its cache file,
 //! and a second process that starts warm from that file.
 
 mod common;
@@ -99,13 +99,24 @@ const SHAPES: [((usize, usize, usize, usize), bool); 6] = [
     ((2, 29, 41, 5), false),
 ];
 
+/// Sizes whose k and n are multiples of 4 (the `v4` variants compute only
+/// those; on the odd sizes above they hand over to the default), with partial
+/// tiles along m and n.
+const ALIGNED: [((usize, usize, usize, usize), bool); 5] = [
+    ((1, 1, 4, 4), false),
+    ((1, 37, 20, 52), false),
+    ((1, 130, 36, 132), false),
+    ((3, 17, 12, 24), true),
+    ((2, 29, 44, 8), false),
+];
+
 fn variant_matches_the_reference(device: Device, name: &str) {
     let engine = Engine::builder()
         .workers(2)
         .matmul_kernel(name)
         .build()
         .unwrap();
-    for (shape, b_batched) in SHAPES {
+    for (shape, b_batched) in SHAPES.into_iter().chain(ALIGNED) {
         check(&engine, device, shape, b_batched, name);
     }
     // The product of a tensor with itself binds one buffer twice.
@@ -149,6 +160,12 @@ variant_tests!(
     d128x32t16x4,
     d64x64t8x4,
     d256x32t32x4,
+    d256x32t32x4v4,
+    d128x64t16x8v4,
+    d128x128t16x16v4,
+    d256x128t32x16v4,
+    d512x128t64x16v4,
+    d256x256t32x32v4,
 );
 
 #[test]

@@ -8,7 +8,10 @@
 //! (batch x m x k), `b` (batch x k x n, or one k x n for every batch entry) and
 //! `out` (batch x m x n), with `info = [m, k, n, b_batched]` as the fourth
 //! binding. A workgroup computes a tile of `out`; each invocation a block of
-//! `tm` rows by `tn` columns (a `vec4` when `tn` is 4) held in registers.
+//! `tm` rows by `tn` columns (a `vec4` when `tn` is 4) held in registers. The
+//! `v4` variants bind the operands as `array<vec4<f32>>` and step k by 4 (a
+//! vec4 of a row of `a` times four vec4 rows of `b`), for products whose k
+//! and n are multiples of 4.
 //! Variants differ in tile and workgroup shape, vector width, and whether
 //! they stage slices of `a` and `b` in workgroup memory ("shared") or read
 //! straight from the buffers ("direct"). Which wins depends on the adapter:
@@ -34,6 +37,10 @@ pub(crate) struct Variant {
     tm: u32,
     tn: u32,
     bk: u32,
+    /// Binds the operands as `array<vec4<f32>>` and steps k by 4: for
+    /// products whose k and n are multiples of 4 (others take the same tile
+    /// without it, see [`Variant::usable`]).
+    v4: bool,
 }
 
 const fn variant(name: &'static str, wx: u32, wy: u32, tm: u32, tn: u32, bk: u32) -> Variant {
@@ -44,13 +51,30 @@ const fn variant(name: &'static str, wx: u32, wy: u32, tm: u32, tn: u32, bk: u32
         tm,
         tn,
         bk,
+        v4: false,
+    }
+}
+
+/// A direct variant over vec4 bindings (see [`Variant::v4`]), `tn` (a
+/// multiple of 4) columns per invocation.
+const fn vector(name: &'static str, wx: u32, wy: u32, tm: u32, tn: u32) -> Variant {
+    Variant {
+        name,
+        wx,
+        wy,
+        tm,
+        tn,
+        bk: 0,
+        v4: true,
     }
 }
 
 /// Every variant the autotuner times. Names read `s` (shared) or `d` (direct),
-/// the output tile (rows x columns), the slice depth, and the block of one
-/// invocation.
-pub(crate) const VARIANTS: [Variant; 11] = [
+/// the output tile (rows x columns), the slice depth, the block of one
+/// invocation, and `v4` for vec4 bindings. On lavapipe the vec4 variants
+/// with 16 or 32 columns per invocation run several times faster than the
+/// best scalar one (`gpu_bench` prints every variant's trial time).
+pub(crate) const VARIANTS: [Variant; 17] = [
     variant("s64x64k16t4x4", 16, 16, 4, 4, 16),
     variant("s32x32k16t4x4", 8, 8, 4, 4, 16),
     variant("s128x64k8t8x4", 16, 16, 8, 4, 8),
@@ -62,6 +86,12 @@ pub(crate) const VARIANTS: [Variant; 11] = [
     variant("d128x32t16x4", 8, 8, 16, 4, 0),
     variant("d64x64t8x4", 16, 8, 8, 4, 0),
     variant("d256x32t32x4", 8, 8, 32, 4, 0),
+    vector("d256x32t32x4v4", 8, 8, 32, 4),
+    vector("d128x64t16x8v4", 8, 8, 16, 8),
+    vector("d128x128t16x16v4", 8, 8, 16, 16),
+    vector("d256x128t32x16v4", 8, 8, 32, 16),
+    vector("d512x128t64x16v4", 8, 8, 64, 16),
+    vector("d256x256t32x32v4", 8, 8, 32, 32),
 ];
 
 /// The names of the matrix product's kernel variants, for
@@ -82,13 +112,14 @@ pub(crate) fn find(name: &str) -> Option<&'static Variant> {
 }
 
 /// The variant used when tuning is off, or the problem is too small to time:
-/// tall direct tiles on a CPU adapter (lavapipe: the fastest or near it at
-/// every size measured), the shared 64 x 64 tile elsewhere.
-fn default_for(gpu: &Gpu) -> &'static Variant {
-    let name = if gpu.info.device_type == "cpu" {
-        "d128x32t16x4"
-    } else {
-        "s64x64k16t4x4"
+/// direct tiles on a CPU adapter (lavapipe: the fastest or near it at every
+/// size measured), over vec4 bindings when k and n allow; the shared 64 x 64
+/// tile elsewhere.
+fn default_for(gpu: &Gpu, k: usize, n: usize) -> &'static Variant {
+    let name = match (gpu.info.device_type == "cpu", k % 4 == 0 && n % 4 == 0) {
+        (true, true) => "d256x128t32x16v4",
+        (true, false) => "d128x32t16x4",
+        (false, _) => "s64x64k16t4x4",
     };
     find(name).unwrap_or(&VARIANTS[0])
 }
@@ -132,6 +163,25 @@ fn trial(m: usize, k: usize, n: usize) -> (usize, usize) {
 }
 
 impl Variant {
+    /// Whether the variant computes a product of depth `k` and width `n`.
+    pub(crate) fn usable(&self, k: usize, n: usize) -> bool {
+        !self.v4 || (k % 4 == 0 && n % 4 == 0)
+    }
+
+    /// This variant if it computes `k`, `n`; else `fallback`.
+    fn for_shape(
+        &'static self,
+        k: usize,
+        n: usize,
+        fallback: &'static Variant,
+    ) -> &'static Variant {
+        if self.usable(k, n) {
+            self
+        } else {
+            fallback
+        }
+    }
+
     fn rows(&self) -> u32 {
         self.wy * self.tm
     }
@@ -152,6 +202,10 @@ impl Variant {
     /// The variant's WGSL.
     fn wgsl(&self) -> String {
         let mut s = String::new();
+        if self.v4 {
+            self.vector_body(&mut s);
+            return s;
+        }
         let acc = if self.tn == 4 { "vec4<f32>" } else { "f32" };
         let _ = writeln!(
             s,
@@ -290,6 +344,78 @@ impl Variant {
         self.store(s);
     }
 
+    /// A direct variant over vec4 bindings: an invocation reads 4 rows of `b`
+    /// as 4 vectors and each of its rows of `a` as one vector per step of 4
+    /// along k, and stores each output row of its block as one vector (k and n
+    /// are multiples of 4, so no block is partial along n).
+    fn vector_body(&self, s: &mut String) {
+        let (tm, w) = (self.tm, self.tn / 4);
+        let _ = writeln!(
+            s,
+            "// matmul variant {name}: generated by src/tensor/matmul_kernels.rs.\n\
+             @group(0) @binding(0) var<storage, read> a: array<vec4<f32>>;\n\
+             @group(0) @binding(1) var<storage, read> b: array<vec4<f32>>;\n\
+             @group(0) @binding(2) var<storage, read_write> out: array<vec4<f32>>;\n\
+             @group(0) @binding(3) var<storage, read> info: array<u32>;\n\
+             @compute @workgroup_size({wx}, {wy})\n\
+             fn main(@builtin(global_invocation_id) gid: vec3<u32>) {{\n\
+             let m = info[0];\n\
+             let k4 = info[1] / 4u;\n\
+             let n4 = info[2] / 4u;\n\
+             let r = gid.y * {tm}u;\n\
+             let c4 = gid.x * {w}u;\n\
+             if (r >= m || c4 >= n4) {{ return; }}\n\
+             let a_off = gid.z * m * k4;\n\
+             let b_off = select(0u, gid.z * k4 * 4u * n4, info[3] == 1u);\n\
+             let o_off = gid.z * m * n4;",
+            name = self.name,
+            wx = self.wx,
+            wy = self.wy,
+        );
+        // Columns of the block past the end of the row repeat the last one
+        // (read, never stored).
+        for j in 0..w {
+            let _ = writeln!(s, "let col{j} = min(c4 + {j}u, n4 - 1u);");
+        }
+        for i in 0..tm {
+            let _ = writeln!(s, "let a{i} = a_off + min(r + {i}u, m - 1u) * k4;");
+            for j in 0..w {
+                let _ = writeln!(s, "var acc{i}_{j} = vec4<f32>(0.0);");
+            }
+        }
+        let _ = writeln!(
+            s,
+            "for (var q = 0u; q < k4; q = q + 1u) {{\n\
+             let br = b_off + q * 4u * n4;"
+        );
+        for j in 0..w {
+            for d in 0..4 {
+                let _ = writeln!(s, "let b{d}_{j} = b[br + {d}u * n4 + col{j}];");
+            }
+        }
+        for i in 0..tm {
+            let _ = writeln!(s, "let v{i} = a[a{i} + q];");
+            for j in 0..w {
+                let _ = writeln!(
+                    s,
+                    "acc{i}_{j} = acc{i}_{j} + v{i}.x * b0_{j} + v{i}.y * b1_{j} + v{i}.z * b2_{j} + v{i}.w * b3_{j};"
+                );
+            }
+        }
+        let _ = writeln!(s, "}}");
+        for i in 0..tm {
+            let _ = writeln!(s, "if (r + {i}u < m) {{");
+            for j in 0..w {
+                let _ = writeln!(
+                    s,
+                    "if (c4 + {j}u < n4) {{ out[o_off + (r + {i}u) * n4 + c4 + {j}u] = acc{i}_{j}; }}"
+                );
+            }
+            let _ = writeln!(s, "}}");
+        }
+        let _ = writeln!(s, "}}");
+    }
+
     /// Stores the block at row `r`, column `c`, within the output.
     fn store(&self, s: &mut String) {
         for i in 0..self.tm {
@@ -343,27 +469,37 @@ pub(crate) fn choose(
     (m, k, n): (usize, usize, usize),
     bindings: &[(&GpuBuffer, Access)],
 ) -> Result<&'static Variant, String> {
+    let default = default_for(gpu, k, n);
+    // A vec4 variant cannot compute a product whose k or n is not a multiple
+    // of 4: the default (not vec4 then) does.
     if let Some(pinned) = gpu.autotune.pinned(NAME) {
-        return find(pinned).ok_or_else(|| format!("no matmul kernel is named {pinned:?}"));
+        return find(pinned)
+            .map(|v| v.for_shape(k, n, default))
+            .ok_or_else(|| format!("no matmul kernel is named {pinned:?}"));
     }
-    let default = default_for(gpu);
     if !gpu.autotune.on || m * k * n < TUNE_MIN {
         return Ok(default);
     }
+    // The vec4 variants run in the trials only when k and n are multiples
+    // of 4; one chosen for such a product stands for its whole class, and a
+    // product of the class that is not aligned takes the default.
     let class = matmul_class(m, k, n);
     let known = || tune::lookup(&gpu.autotune, &gpu.adapter, &source(), &class);
     if let Some(v) = known().as_deref().and_then(find) {
-        return Ok(v);
+        return Ok(v.for_shape(k, n, default));
     }
     let _tuning = tune::exclusive();
     // Another device of the same adapter may have tuned the class meanwhile.
     if let Some(v) = known().as_deref().and_then(find) {
-        return Ok(v);
+        return Ok(v.for_shape(k, n, default));
     }
     let (tm, tk) = trial(m, k, n);
     let info = [tm as u32, tk as u32, n as u32, 0];
     let mut timings = Vec::new();
-    for v in &VARIANTS {
+    for v in VARIANTS
+        .iter()
+        .filter(|v| v.usable(tk, n) && v.usable(k, n))
+    {
         // A variant the adapter cannot run (too much workgroup memory, say)
         // drops out; a lost device ends the tuning.
         match gpu.time_dispatch(source(), v.name, bindings, &info, v.grid(1, tm, n), 2) {
@@ -400,7 +536,13 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), VARIANTS.len());
         for v in VARIANTS {
-            assert!(v.tn == 1 || v.tn == 4, "{}", v.name);
+            assert!(
+                v.tn == 1 || v.tn == 4 || (v.v4 && v.tn % 4 == 0),
+                "{}",
+                v.name
+            );
+            assert_eq!(v.v4, v.name.ends_with("v4"), "{}", v.name);
+            assert!(!v.v4 || v.bk == 0, "{}", v.name);
             assert!(v.wx * v.wy <= 256, "{}", v.name);
             if v.bk > 0 {
                 let threads = v.wx * v.wy;
