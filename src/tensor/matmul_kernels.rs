@@ -116,7 +116,7 @@ pub(crate) fn find(name: &str) -> Option<&'static Variant> {
 /// size measured), over vec4 bindings when k and n allow; the shared 64 x 64
 /// tile elsewhere.
 fn default_for(gpu: &Gpu, k: usize, n: usize) -> &'static Variant {
-    let name = match (gpu.info.device_type == "cpu", k % 4 == 0 && n % 4 == 0) {
+    let name = match (gpu.info.device_type == "cpu", k.is_multiple_of(4) && n.is_multiple_of(4)) {
         (true, true) => "d256x128t32x16v4",
         (true, false) => "d128x32t16x4",
         (false, _) => "s64x64k16t4x4",
@@ -165,7 +165,7 @@ fn trial(m: usize, k: usize, n: usize) -> (usize, usize) {
 impl Variant {
     /// Whether the variant computes a product of depth `k` and width `n`.
     pub(crate) fn usable(&self, k: usize, n: usize) -> bool {
-        !self.v4 || (k % 4 == 0 && n % 4 == 0)
+        !self.v4 || (k.is_multiple_of(4) && n.is_multiple_of(4))
     }
 
     /// This variant if it computes `k`, `n`; else `fallback`.
