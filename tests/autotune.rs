@@ -102,12 +102,14 @@ const SHAPES: [((usize, usize, usize, usize), bool); 6] = [
 /// Sizes whose k and n are multiples of 4 (the `v4` variants compute only
 /// those; on the odd sizes above they hand over to the default), with partial
 /// tiles along m and n.
-const ALIGNED: [((usize, usize, usize, usize), bool); 5] = [
+const ALIGNED: [((usize, usize, usize, usize), bool); 6] = [
     ((1, 1, 4, 4), false),
     ((1, 37, 20, 52), false),
     ((1, 130, 36, 132), false),
     ((3, 17, 12, 24), true),
     ((2, 29, 44, 8), false),
+    // Empty along k: the product is zeros (and binds an empty operand).
+    ((1, 5, 0, 8), false),
 ];
 
 fn variant_matches_the_reference(device: Device, name: &str) {

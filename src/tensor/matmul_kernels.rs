@@ -111,12 +111,19 @@ pub(crate) fn find(name: &str) -> Option<&'static Variant> {
     VARIANTS.iter().find(|v| v.name == name)
 }
 
+/// Whether the vec4 variants compute a product of depth `k` and width `n`:
+/// both multiples of 4, and not empty (a vec4 binding holds 16 bytes at
+/// least).
+fn vec4_aligned(k: usize, n: usize) -> bool {
+    k > 0 && n > 0 && k.is_multiple_of(4) && n.is_multiple_of(4)
+}
+
 /// The variant used when tuning is off, or the problem is too small to time:
 /// direct tiles on a CPU adapter (lavapipe: the fastest or near it at every
 /// size measured), over vec4 bindings when k and n allow; the shared 64 x 64
 /// tile elsewhere.
 fn default_for(gpu: &Gpu, k: usize, n: usize) -> &'static Variant {
-    let name = match (gpu.info.device_type == "cpu", k.is_multiple_of(4) && n.is_multiple_of(4)) {
+    let name = match (gpu.info.device_type == "cpu", vec4_aligned(k, n)) {
         (true, true) => "d256x128t32x16v4",
         (true, false) => "d128x32t16x4",
         (false, _) => "s64x64k16t4x4",
@@ -165,7 +172,7 @@ fn trial(m: usize, k: usize, n: usize) -> (usize, usize) {
 impl Variant {
     /// Whether the variant computes a product of depth `k` and width `n`.
     pub(crate) fn usable(&self, k: usize, n: usize) -> bool {
-        !self.v4 || (k.is_multiple_of(4) && n.is_multiple_of(4))
+        !self.v4 || vec4_aligned(k, n)
     }
 
     /// This variant if it computes `k`, `n`; else `fallback`.
