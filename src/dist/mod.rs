@@ -299,15 +299,27 @@ impl Dist {
     fn single_with(timeout: Duration) -> Dist {
         let mut group = Local::group(1);
         let local = group.pop();
-        Dist::start(
+        let started = Dist::start(
             move || {
                 local
                     .map(|l| Box::new(l) as Box<dyn Transport>)
                     .ok_or_else(|| Error::Config("no rank".into()))
             },
             timeout,
-        )
-        .unwrap_or_else(|_| unreachable_single())
+        );
+        // Without its thread (the system is out of threads) every collective
+        // fails with a message instead of the process panicking here.
+        started.unwrap_or_else(|e| Dist {
+            inner: Arc::new(Inner {
+                rank: 0,
+                size: 1,
+                transport: format!("single process, without a communication thread ({e})"),
+                next: AtomicU64::new(0),
+                tx: Mutex::new(None),
+                thread: Mutex::new(None),
+                counts: Arc::new(Counts::default()),
+            }),
+        })
     }
 
     /// `size` ranks living in this process (one per thread that uses it):
@@ -555,12 +567,6 @@ impl Dist {
             out.to_at(home, location)
         }
     }
-}
-
-fn unreachable_single() -> Dist {
-    // `Local::group(1)` always has its rank, and the thread starts unless the
-    // system is out of threads, which no other part of the engine survives.
-    panic!("could not start the communication thread of a single process")
 }
 
 /// A collective's place in the sequence, held by its task. A task that never
