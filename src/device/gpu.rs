@@ -382,6 +382,8 @@ struct Batch {
     /// Staging memory for the small uploads of this batch (kernel info
     /// buffers, mostly), mapped until the batch is submitted.
     belt: Option<Belt>,
+    /// The size of the next belt (see [`BELT_MIN`]).
+    belt_next: u64,
     dispatches: usize,
     /// The fate of what is encoded into `encoder`.
     fate: Arc<Fate>,
@@ -395,12 +397,17 @@ struct Batch {
 /// them.
 struct Belt {
     buffer: wgpu::Buffer,
+    size: u64,
     used: u64,
 }
 
-/// Bytes of one batch's upload belt; larger uploads get a staging buffer of
+/// Largest upload belt; uploads over a quarter of it get a staging buffer of
 /// their own.
 const BELT_BYTES: u64 = 256 << 10;
+/// Smallest upload belt. A belt is sized by what the previous batch used: a
+/// batch per op (a read after every op) needs a few hundred bytes, not a
+/// quarter megabyte of mapped memory.
+const BELT_MIN: u64 = 4 << 10;
 
 /// The first few ops that wrote in a batch or group, and how many more.
 #[derive(Default)]
@@ -634,6 +641,7 @@ impl Gpu {
             batch: Mutex::new(Batch {
                 encoder: None,
                 belt: None,
+                belt_next: BELT_MIN,
                 dispatches: 0,
                 fate: Fate::new(),
                 writers: Writers::default(),
@@ -824,22 +832,32 @@ impl Gpu {
     /// with the batch like any staging buffer).
     fn belt_space(&self, batch: &mut Batch, len: u64) -> Result<u64, String> {
         // Mapped ranges start at multiples of 8 (wgpu's MAP_ALIGNMENT).
-        let fits = |b: &Belt| b.used.next_multiple_of(8) + len <= BELT_BYTES;
+        let fits = |b: &Belt| b.used.next_multiple_of(8) + len <= b.size;
         if !batch.belt.as_ref().is_some_and(fits) {
             if let Some(full) = batch.belt.take() {
-                // Its copies are encoded; it is unmapped before the submit
-                // that runs them (see `submit_locked`), so keep it until then.
+                // Its copies are encoded, and the buffer lives on in them
+                // until the submit that runs them; unmapped now, as a
+                // submission requires. The next one is twice the size.
                 full.buffer.unmap();
+                batch.belt_next = (full.size * 2).min(BELT_BYTES);
             }
+            let size = batch
+                .belt_next
+                .max(len.next_power_of_two())
+                .clamp(BELT_MIN, BELT_BYTES);
             let buffer = self.scoped(|| {
                 self.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("lazyflow upload belt"),
-                    size: BELT_BYTES,
+                    size,
                     usage: wgpu::BufferUsages::COPY_SRC,
                     mapped_at_creation: true,
                 })
             })?;
-            batch.belt = Some(Belt { buffer, used: 0 });
+            batch.belt = Some(Belt {
+                buffer,
+                size,
+                used: 0,
+            });
         }
         let Some(belt) = batch.belt.as_mut() else {
             return Err("internal error: no upload belt".into());
@@ -1136,6 +1154,9 @@ impl Gpu {
         // by a submission.
         if let Some(belt) = batch.belt.take() {
             belt.buffer.unmap();
+            batch.belt_next = (belt.used * 2)
+                .next_power_of_two()
+                .clamp(BELT_MIN, BELT_BYTES);
         }
         let Some(encoder) = batch.encoder.take() else {
             return Ok(None);
