@@ -121,6 +121,21 @@ impl<'e> TaskBuilder<'e> {
     }
 
     fn declare<T: Send + Sync + 'static>(&mut self, var: &Var<T>, read: bool, write: bool) {
+        if var.queue().is_held() {
+            // An open record-time batch writes or reads it: recorded first.
+            self.engine.shared().close_batches();
+        }
+        self.declare_unchecked(var, read, write);
+    }
+
+    /// Declares an access without a token and without closing the batches
+    /// that name the Var (the batch being closed declares its own Vars).
+    pub(crate) fn declare_unchecked<T: Send + Sync + 'static>(
+        &mut self,
+        var: &Var<T>,
+        read: bool,
+        write: bool,
+    ) {
         if !var.engine().same(self.engine) {
             self.mismatch = true;
         }

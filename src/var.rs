@@ -345,6 +345,19 @@ impl<T> Var<T> {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Records the open record-time batches first if one names this Var.
+    #[inline]
+    fn close_batches(&self) {
+        if self.queue().is_held() {
+            self.engine().shared().close_batches();
+        }
+    }
+
+    /// Handles of this Var alive (tokens not counted).
+    pub(crate) fn handles(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
     /// Whether two handles refer to the same data.
     pub fn same(&self, other: &Var<T>) -> bool {
         Arc::ptr_eq(&self.inner.storage, &other.inner.storage)
@@ -362,6 +375,7 @@ impl<T> Var<T> {
     }
 
     fn settle_read(&self) -> Result<()> {
+        self.close_batches();
         if let Some(writer) = self.queue().writer() {
             self.engine()
                 .shared()
@@ -377,6 +391,7 @@ impl<T> Var<T> {
     /// access to this value (reads included) has finished.
     pub fn wait_to_write(&self) -> Result<()> {
         self.engine().counters().blocker(false);
+        self.close_batches();
         let accessors = self.queue().accessors();
         self.engine().shared().wait_for(accessors)
     }

@@ -694,7 +694,7 @@ fn fusion_turns_elementwise_chains_into_few_kernels_with_the_same_results(gpu: D
 gpu_test!(fusion_turns_elementwise_chains_into_few_kernels_with_the_same_results);
 
 fn a_long_elementwise_chain_runs_in_full_groups_in_every_mode(gpu: Device) {
-    // 10,000 ops of `x = x + 1`: groups of 64 ops make at most 157 kernels,
+    // 10,000 ops of `x = x + 1`: groups of 64 ops or more make at most 157 kernels,
     // whatever the adapter's binding limit (only the last value is written),
     // and Async mode groups like Lazy mode (recording one op at a time must
     // not close the group whenever the device runs out of queued work).
@@ -839,7 +839,7 @@ fn a_read_amid_other_work_compiles_no_new_kernel(gpu: Device) {
 gpu_test!(a_read_amid_other_work_compiles_no_new_kernel);
 
 fn a_fused_value_nothing_reads_gets_no_gpu_memory(gpu: Device) {
-    // 640 ops of `x = x + 1` in groups of 64: only each group's last value is
+    // 640 ops of `x = x + 1` in groups: only each group's last value is
     // written, so only those (and the info buffers of their kernels) are
     // given memory, not one buffer per op.
     for mode in [Mode::Lazy, Mode::Async] {
@@ -900,3 +900,76 @@ fn many_small_and_large_uploads_in_one_batch_keep_their_values(gpu: Device) {
     }
 }
 gpu_test!(many_small_and_large_uploads_in_one_batch_keep_their_values);
+
+fn elementwise_ops_are_recorded_in_batches_and_ordered_with_everything_else(gpu: Device) {
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let x0 = Tensor::from_vec_in(&e, vec![1.0, 2.0], [2])
+            .unwrap()
+            .to(gpu)
+            .unwrap();
+        x0.wait_to_read().unwrap();
+        // A chain records one node per batch of ops, not one per op.
+        let before = e.stats().recorded;
+        let mut x = x0.clone();
+        for _ in 0..1_000 {
+            x = &x + 1.0;
+        }
+        assert_eq!(x.to_vec().unwrap(), vec![1_001.0, 1_002.0], "{mode:?}");
+        let nodes = e.stats().recorded - before;
+        assert!(nodes <= 10, "{mode:?}: {nodes} nodes for 1,000 ops");
+        // An in-place write to a value an open batch reads comes after the
+        // batch: `y` sees the old `x0`.
+        let y = &x0 * 3.0;
+        x0.add_scalar_(10.0);
+        assert_eq!(y.to_vec().unwrap(), vec![3.0, 6.0], "{mode:?}");
+        assert_eq!(x0.to_vec().unwrap(), vec![11.0, 12.0], "{mode:?}");
+        // A non-elementwise op reading a batched value, and a CPU copy of
+        // one, see it computed.
+        let z = &x0 + 1.0;
+        let s = z.sum();
+        let on_cpu = (&z * 2.0).to(Device::Cpu).unwrap();
+        assert_eq!(s.item().unwrap(), 25.0, "{mode:?}");
+        assert_eq!(on_cpu.to_vec().unwrap(), vec![24.0, 26.0], "{mode:?}");
+    }
+}
+gpu_test!(elementwise_ops_are_recorded_in_batches_and_ordered_with_everything_else);
+
+fn async_mode_fuses_like_lazy_mode(gpu: Device) {
+    // Two independent chains recorded in turns: with a node per op, which
+    // ops met in a fusion group depended on which worker ran what first.
+    let run = |mode: Mode| {
+        let e = engine(mode);
+        let a0 = Tensor::zeros_in(&e, [64]).to(gpu).unwrap();
+        let b0 = Tensor::ones_in(&e, [64]).to(gpu).unwrap();
+        a0.wait_to_read().unwrap();
+        b0.wait_to_read().unwrap();
+        let mut counts = Vec::new();
+        for _ in 0..3 {
+            let (k0, c0) = (e.kernels_dispatched(gpu), e.kernels_compiled(gpu));
+            let (mut a, mut b) = (a0.clone(), b0.clone());
+            for i in 0..300 {
+                a = (&a + 1.0).relu();
+                if i % 3 == 0 {
+                    b = &b * 1.0 + &a;
+                }
+            }
+            let (va, vb) = (a.to_vec().unwrap(), b.to_vec().unwrap());
+            counts.push((
+                e.kernels_dispatched(gpu) - k0,
+                e.kernels_compiled(gpu) - c0,
+                va[0],
+                vb[0],
+            ));
+        }
+        counts
+    };
+    let lazy = run(Mode::Lazy);
+    let asynchronous = run(Mode::Async);
+    // Every pass dispatches and compiles the same kernels in both modes (the
+    // batches, and which of their values are written, are decided when they
+    // are recorded) and computes the same values.
+    assert_eq!(lazy, asynchronous, "kernels, compiles and values per pass");
+    assert_eq!(lazy[1].1, 0, "a pass run again compiles nothing");
+}
+gpu_test!(async_mode_fuses_like_lazy_mode);

@@ -476,6 +476,9 @@ pub(crate) struct Gpu {
     /// Deferred work of a layer above (see [`DeferredEncode`]), installed on
     /// first use. Lock order: `deferred`, then `batch`.
     deferred: Mutex<Option<Box<dyn DeferredEncode>>>,
+    /// A slot for the layer above's frontend state of this device (its
+    /// record-time batch), set on first use.
+    pub(crate) frontend: OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
     max_storage_buffers: usize,
     /// Largest workgroup count of one dispatch dimension.
     max_workgroups: u32,
@@ -659,6 +662,7 @@ impl Gpu {
             compiled: std::sync::atomic::AtomicU64::new(0),
             fusion: options.fusion,
             deferred: Mutex::new(None),
+            frontend: OnceLock::new(),
             max_storage_buffers: limits.max_storage_buffers_per_shader_stage as usize,
             max_workgroups: limits.max_compute_workgroups_per_dimension,
             lost,
@@ -687,26 +691,6 @@ impl Gpu {
         self.pending
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         Pending(self.clone())
-    }
-
-    /// Waits until every recorded node of the device has been encoded, or
-    /// `limit` has passed (a node may wait on slow work elsewhere; the caller
-    /// only wants a stable shape for the fusion group, never a hang).
-    pub(crate) fn catch_up(&self, limit: Duration) {
-        let start = std::time::Instant::now();
-        let mut spins = 0u32;
-        // Acquire: pairs with the AcqRel decrement in `Pending::drop`.
-        while self.pending.load(std::sync::atomic::Ordering::Acquire) > 0 {
-            if start.elapsed() > limit {
-                return;
-            }
-            spins += 1;
-            if spins < 64 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(20));
-            }
-        }
     }
 
     /// Record-time check that `n` floats fit in one buffer; `Err` says why not.

@@ -50,6 +50,7 @@ impl Shared {
     /// blocks a worker thread of any engine.
     #[cold]
     fn retire(&self) {
+        self.close_batches();
         {
             let _life = lock(&self.life);
             if self.retiring.load(Ordering::SeqCst) || self.handles.load(Ordering::Acquire) != 0 {

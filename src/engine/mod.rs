@@ -326,6 +326,16 @@ pub(crate) struct Shared {
     life: Mutex<()>,
     /// GPU devices, opened on first use (opening one takes tens of milliseconds).
     gpus: OnceLock<Vec<std::sync::Arc<Gpu>>>,
+    /// Open record-time batches, one per GPU device that has had one (see
+    /// `tensor/batch.rs`): closed before anything touches a Var they name,
+    /// and by every barrier.
+    batches: Mutex<Vec<std::sync::Arc<dyn Batches>>>,
+}
+
+/// Record-time batches of the tensor layer, as the engine closes them.
+pub(crate) trait Batches: Send + Sync {
+    /// Records the open batch, if any, as a node of `engine`.
+    fn close(&self, engine: &Engine);
 }
 
 /// Where threads wait for the number of live nodes to drop.
@@ -419,6 +429,7 @@ impl Engine {
             waits: Mutex::new(deadlock::Waits::default()),
             life: Mutex::new(()),
             gpus: OnceLock::new(),
+            batches: Mutex::new(Vec::new()),
         });
         if shared.pool.start(&shared, "lazyflow-worker") == 0 {
             return Err(Error::Config("could not start any worker thread".into()));
@@ -632,6 +643,7 @@ impl Engine {
     /// assert!(engine.to_dot().contains("bump"));
     /// ```
     pub fn to_dot(&self) -> String {
+        self.shared().close_batches();
         let nodes = self.shared().undemanded.snapshot();
         graph::to_dot(&nodes, |lane| lane_device(lane).to_string())
     }
@@ -772,6 +784,31 @@ impl Shared {
     /// The GPUs opened so far (none if nothing asked for one).
     fn opened_gpus(&self) -> &[std::sync::Arc<Gpu>] {
         self.gpus.get().map_or(&[], |g| g.as_slice())
+    }
+
+    /// Registers a device's record-time batches.
+    pub(crate) fn add_batches(&self, b: std::sync::Arc<dyn Batches>) {
+        lock(&self.batches).push(b);
+    }
+
+    /// Records every open record-time batch (before an access to a Var one
+    /// names, and at barriers).
+    #[cold]
+    pub(crate) fn close_batches(&self) {
+        let all: Vec<std::sync::Arc<dyn Batches>> = lock(&self.batches).clone();
+        if all.is_empty() {
+            return;
+        }
+        let Some(shared) = self.me.upgrade() else {
+            return;
+        };
+        let engine = Engine {
+            shared,
+            counted: false,
+        };
+        for b in all {
+            b.close(&engine);
+        }
     }
 
     /// Whether the calling thread is one of this engine's workers.
@@ -992,6 +1029,7 @@ impl Shared {
 
     /// Demands everything and waits until no node is left unfinished.
     pub(crate) fn wait_all(&self) -> Result<()> {
+        self.close_batches();
         self.check_wait_all()?;
         self.global_demand.fetch_add(1, Ordering::SeqCst);
         self.demand_all();

@@ -193,6 +193,11 @@ impl<J> Node<J> {
 /// The access queue of one Var: its last writer and the readers since.
 pub(crate) struct VarQueue<J> {
     inner: Mutex<VarState<J>>,
+    /// Open record-time batches that name the Var (see `tensor/batch.rs`):
+    /// while it is above zero, whoever records an access to the Var or waits
+    /// for it closes those batches first. SeqCst: a batch raises it before it
+    /// lets go of its lock, and lowers it only after recording its node.
+    held: AtomicU32,
 }
 
 struct VarState<J> {
@@ -228,7 +233,24 @@ impl<J> VarQueue<J> {
                 prune_at: PRUNE_MIN,
                 poison,
             }),
+            held: AtomicU32::new(0),
         }
+    }
+
+    /// Notes that an open batch names the Var.
+    pub(crate) fn hold(&self) {
+        self.held.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Notes that a batch that named the Var has recorded its node.
+    pub(crate) fn release(&self) {
+        self.held.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Whether an open batch names the Var.
+    #[inline]
+    pub(crate) fn is_held(&self) -> bool {
+        self.held.load(Ordering::SeqCst) > 0
     }
 
     /// The queue's address: identifies the Var in [`Node::writes`].

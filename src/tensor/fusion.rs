@@ -2,18 +2,20 @@
 //! group, kept in the device's deferred-encode hook, and the kernels generated
 //! from it.
 //!
-//! An elementwise node on a GPU (binary with broadcasting, scalar, unary) does not
-//! dispatch a kernel when it runs: it appends its op to its device's open *group*
-//! and completes (the device queue is in order, so nothing can observe the
-//! difference). The group is turned into one generated WGSL kernel when anything
-//! else is encoded on the device (another kernel, a copy, a readback, a submit),
-//! when an op of another output shape arrives, or when the group reaches
-//! [`MAX_OPS`] ops or binds as many inputs as the adapter allows. In that kernel,
-//! values produced inside the group stay in registers, and a value is written to
-//! memory only if something outside the group can still read it: its Var has a
-//! handle left or a pending node holds it. So a chain `x = x + 1` repeated n
-//! times becomes n / 64 kernels with one output each, and results nobody keeps
-//! are never written.
+//! In Lazy and Async mode, elementwise ops on a GPU (binary with broadcasting,
+//! scalar, unary) are recorded in batches (`batch.rs`), and each batch's node
+//! makes one *group* of its ops ([`Fuser::fuse_batch`]) and encodes it, so the
+//! groups are fixed at record time. In Sync mode each op is a node that
+//! appends its op to its device's open group and completes (the device queue is
+//! in order, so nothing can observe the difference); that group is encoded when
+//! anything else is encoded on the device (another kernel, a copy, a readback,
+//! a submit), when an op of another output shape arrives, or when it reaches
+//! [`MAX_OPS`] ops or binds as many inputs as the adapter allows. In a group's
+//! kernel, values produced inside the group stay in registers, and a value is
+//! written to memory only if something outside the group can still read it:
+//! its Var has a handle left or a pending node holds it. So a chain
+//! `x = x + 1` repeated n times becomes n / 256 kernels with one output each,
+//! and results nobody keeps are never written.
 //!
 //! Outputs do not limit a group while it grows (which of them are written is
 //! known only when it is encoded): a group that would bind more buffers than
@@ -41,8 +43,10 @@ use crate::var::{Read, Write};
 use rustc_hash::FxHashMap as HashMap;
 use std::fmt::Write as _;
 
-/// Ops per fused kernel at most.
-const MAX_OPS: usize = 64;
+/// Ops per fused group at most (a group becomes one kernel unless the
+/// adapter's bindings split it). Lavapipe's cost per dispatch is several
+/// times a small op's, and a 256-op chain compiles once into one kernel.
+const MAX_OPS: usize = 256;
 
 /// One elementwise op.
 #[derive(Clone, Copy, Debug)]
@@ -71,10 +75,27 @@ enum Arg {
     Scalar(f32),
 }
 
+/// One op of a record-time batch, for [`Fuser::fuse_batch`].
+pub(crate) struct BatchOp {
+    pub(crate) dims: Vec<usize>,
+    pub(crate) op: ElemOp,
+    pub(crate) inputs: Vec<Input>,
+    pub(crate) out: Write<Data>,
+    /// Whether anything outside the batch can read the value (decided when
+    /// the batch was recorded).
+    pub(crate) keep: bool,
+    pub(crate) seq: u64,
+    /// The op as errors and stamps name it.
+    pub(crate) running: crate::error::RunningOp,
+}
+
 struct Op {
     op: ElemOp,
     args: Vec<Arg>,
     out: Write<Data>,
+    /// Whether the value is written, if decided before (a batch's op);
+    /// else it is written if anything outside the group can read it.
+    keep: Option<bool>,
     /// When the op was recorded (see [`record_order`]).
     seq: u64,
 }
@@ -137,6 +158,7 @@ pub(crate) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<u32> {
 impl Fuser {
     /// Adds `out = op(inputs)` (output shape `dims`) to the device's group,
     /// encoding the open group first when this op cannot join it.
+    #[allow(clippy::too_many_arguments)]
     fn push(
         &mut self,
         gpu: &Gpu,
@@ -144,6 +166,7 @@ impl Fuser {
         op: ElemOp,
         inputs: Vec<Input>,
         out: Write<Data>,
+        keep: Option<bool>,
         seq: u64,
     ) -> Result<(), String> {
         // Outputs are not counted here: which values a group writes is known
@@ -203,7 +226,13 @@ impl Fuser {
             b.stamp(lineage);
         }
         group.outputs.insert(out.data_id(), group.ops.len());
-        group.ops.push(Op { op, args, out, seq });
+        group.ops.push(Op {
+            op,
+            args,
+            out,
+            keep,
+            seq,
+        });
         Ok(())
     }
 
@@ -218,7 +247,35 @@ impl Fuser {
         seq: u64,
     ) -> Result<(), String> {
         gpu.check_lost()?;
-        gpu.with_deferred(|fuser: &mut Fuser| fuser.push(gpu, dims, op, inputs, out, seq))
+        gpu.with_deferred(|fuser: &mut Fuser| fuser.push(gpu, dims, op, inputs, out, None, seq))
+    }
+
+    /// Adds the ops of one record-time batch (see `batch.rs`), in order, as
+    /// a group of their own, and encodes it: which ops share a kernel then
+    /// depends only on how they were recorded, not on which of several
+    /// independent batches a worker ran first.
+    pub(crate) fn fuse_batch(gpu: &Gpu, ops: Vec<BatchOp>) -> Result<(), String> {
+        gpu.check_lost()?;
+        gpu.with_deferred(|fuser: &mut Fuser| {
+            fuser.encode_group(gpu);
+            for op in ops {
+                let _running = crate::error::Running::enter(op.running);
+                fuser.push(
+                    gpu,
+                    &op.dims,
+                    op.op,
+                    op.inputs,
+                    op.out,
+                    Some(op.keep),
+                    op.seq,
+                )?;
+            }
+            // Encoded here, inside the batch's node (a failure of the device
+            // batch it goes into names these ops), not by whatever encodes
+            // next on the device.
+            fuser.encode_group(gpu);
+            Ok(())
+        })
     }
 
     /// Encodes the open group as one kernel (nothing if it is empty or writes
@@ -291,7 +348,11 @@ fn encode_kernel(
     // A value is written if anything outside the group can still read it: a
     // handle or a token besides the group's own write token (readers inside
     // the group gave theirs up when they joined).
-    let kept: Vec<bool> = group.ops.iter().map(|op| op.out.reach() > 1).collect();
+    let kept: Vec<bool> = group
+        .ops
+        .iter()
+        .map(|op| op.keep.unwrap_or_else(|| op.out.reach() > 1))
+        .collect();
     if n == 0 || !kept.iter().any(|w| *w) {
         return Ok(());
     }

@@ -399,6 +399,27 @@ impl Tensor {
         let dims = out_shape.dims().to_vec();
         let n = out_shape.numel();
         let out = self.output(out_shape);
+        if self.engine().mode() != crate::Mode::Sync {
+            // One node per batch of ops, recorded when something else needs
+            // them (see `batch.rs`).
+            let operands = inputs
+                .iter()
+                .map(|i| match i {
+                    Operand::Tensor(x) => super::batch::Arg::Tensor(&x.var, x.dims().to_vec()),
+                    Operand::Scalar(s) => super::batch::Arg::Scalar(*s),
+                })
+                .collect();
+            super::batch::DeviceBatch::of(self.engine(), &gpu, self.device).push(
+                self.engine(),
+                name,
+                location,
+                dims,
+                op,
+                operands,
+                &out.var,
+            );
+            return Ok(out);
+        }
         let mut t = self.engine().task_at(name, location);
         t.device(self.device);
         let mut tokens: Vec<FusedToken> = Vec::new();

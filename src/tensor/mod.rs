@@ -12,6 +12,7 @@
 //! named methods ([`Tensor::add`], ...) to get the error at the call site.
 
 mod autograd;
+mod batch;
 mod conv;
 mod conv_kernels;
 pub(crate) mod fusion;
@@ -416,22 +417,10 @@ impl Tensor {
     fn on_host(&self, location: Location) -> Result<Tensor> {
         match self.device {
             Device::Cpu => Ok(self.clone()),
-            Device::Gpu(i) => {
-                // In Async and Sync modes the workers run what the frontend
-                // recorded while it goes on; a readback encodes the device's
-                // open fusion group, and what that group holds would depend on
-                // how far they got. Letting them catch up first (they only
-                // encode; the frontend, waiting here, records nothing) gives
-                // the group the same ops in every run, so its kernel comes
-                // from the cache. Not on a worker (it would wait for itself),
-                // and not in Lazy mode (undemanded nodes never run, and a
-                // flush there sees the whole subgraph anyway).
-                let engine = self.engine();
-                if engine.mode() != crate::Mode::Lazy && !engine.shared().on_worker() {
-                    if let Some(gpu) = engine.gpu(i) {
-                        gpu.catch_up(std::time::Duration::from_millis(50));
-                    }
-                }
+            Device::Gpu(_) => {
+                // Which ops share a fused kernel is fixed when they are
+                // recorded (`batch.rs`), so a readback needs no wait for the
+                // workers to catch up first.
                 self.to_at(Device::Cpu, location)
             }
         }
