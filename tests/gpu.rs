@@ -973,3 +973,22 @@ fn async_mode_fuses_like_lazy_mode(gpu: Device) {
     assert_eq!(lazy[1].1, 0, "a pass run again compiles nothing");
 }
 gpu_test!(async_mode_fuses_like_lazy_mode);
+
+fn a_batch_with_more_inputs_than_bindings_keeps_what_its_later_kernels_read(gpu: Device) {
+    // A chain adding 300 distinct computed tensors: one batch, split into
+    // several kernels by the adapter's bindings; each kernel's last sum is
+    // read by the next one and must be written although nothing else holds
+    // it.
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let parts: Vec<Tensor> = (0..300)
+            .map(|i| Tensor::full_in(&e, [3], i as f32).to(gpu).unwrap())
+            .collect();
+        for p in &parts {
+            p.wait_to_read().unwrap();
+        }
+        let total = parts.iter().cloned().reduce(|a, b| &a + &b).unwrap();
+        assert_eq!(total.to_vec().unwrap(), vec![44_850.0; 3], "{mode:?}");
+    }
+}
+gpu_test!(a_batch_with_more_inputs_than_bindings_keeps_what_its_later_kernels_read);

@@ -6,9 +6,11 @@
 //! when it closes:
 //!
 //! - when it holds [`MAX_OPS`] ops;
-//! - when an op reads a value the batch does not already depend on (a value
-//!   it neither computes nor reads): a reader of one value of a batch waits
-//!   for all the batch reads, so a batch never takes on new inputs;
+//! - at the same points for every open batch of the device: an op joins the
+//!   batch that computes one of its inputs, else one that already reads all
+//!   its inputs, else starts one, so a batch holds connected ops only (a
+//!   reader of one value of a batch waits for everything the batch reads,
+//!   and unrelated chains stay apart);
 //! - when anything else records an access to a Var the batch names, or waits
 //!   for one (`TaskBuilder::declare` and the blockers check the Var's `held`
 //!   count, see `graph/mod.rs`);
@@ -63,7 +65,8 @@ struct Op {
     seq: u64,
 }
 
-/// The open batch of one device.
+/// One open batch: connected ops (each reads a value an earlier one in the
+/// batch computes, or starts it).
 #[derive(Default)]
 struct Open {
     ops: Vec<Op>,
@@ -71,15 +74,47 @@ struct Open {
     vars: Vec<(Var<Data>, bool, bool)>,
 }
 
-/// One GPU device's record-time batch.
-pub(crate) struct DeviceBatch {
-    /// Weak: the device holds its batch (its `frontend` slot).
-    gpu: std::sync::Weak<Gpu>,
-    device: Device,
-    open: Mutex<Open>,
+impl Open {
+    /// Whether an op of the batch computes `var`.
+    fn computes(&self, var: &Var<Data>) -> bool {
+        self.vars.iter().any(|(v, _, w)| *w && v.same(var))
+    }
+
+    /// Moves `other`'s ops and Vars into this batch, in record order.
+    fn absorb(&mut self, other: Open) {
+        let mut place = Vec::with_capacity(other.vars.len());
+        for (var, read, write) in other.vars {
+            match self.vars.iter().position(|(v, _, _)| v.same(&var)) {
+                Some(i) => {
+                    self.vars[i].1 |= read;
+                    self.vars[i].2 |= write;
+                    // Held once per batch that names it.
+                    var.queue().release();
+                    place.push(i);
+                }
+                None => {
+                    self.vars.push((var, read, write));
+                    place.push(self.vars.len() - 1);
+                }
+            }
+        }
+        for mut op in other.ops {
+            op.out_var = place[op.out_var];
+            self.ops.push(op);
+        }
+        self.ops.sort_by_key(|op| op.seq);
+    }
 }
 
-fn lock(m: &Mutex<Open>) -> MutexGuard<'_, Open> {
+/// One GPU device's record-time batches.
+pub(crate) struct DeviceBatch {
+    /// Weak: the device holds its batches (its `frontend` slot).
+    gpu: std::sync::Weak<Gpu>,
+    device: Device,
+    open: Mutex<Vec<Open>>,
+}
+
+fn lock(m: &Mutex<Vec<Open>>) -> MutexGuard<'_, Vec<Open>> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -90,7 +125,7 @@ impl DeviceBatch {
             let b = Arc::new(DeviceBatch {
                 gpu: Arc::downgrade(gpu),
                 device,
-                open: Mutex::new(Open::default()),
+                open: Mutex::new(Vec::new()),
             });
             engine.shared().add_batches(b.clone());
             b
@@ -115,18 +150,57 @@ impl DeviceBatch {
         inputs: Vec<Arg<'_>>,
         out: &Var<Data>,
     ) {
-        let mut open = lock(&self.open);
-        // An op joins only if the batch already depends on all it reads:
-        // otherwise a reader of any value in the batch would also wait for
-        // the new input's producer (unrelated work, say a matmul still
-        // running). Then the batch is recorded and the op starts the next.
-        let known = inputs.iter().all(|arg| match arg {
-            Arg::Tensor(var, _) => open.vars.iter().any(|(v, _, _)| v.same(var)),
-            Arg::Scalar(_) => true,
-        });
-        if open.ops.len() >= MAX_OPS || !known {
-            self.record(engine, &mut open);
+        let mut batches = lock(&self.open);
+        // The op joins the batch that computes one of its inputs (merging
+        // them when several do), or starts a batch of its own: a batch holds
+        // connected ops only, and a reader of one of its values waits for
+        // everything it reads, so unrelated chains (one waiting for a matmul
+        // not yet run, say) stay apart. Decided from what was recorded, so
+        // the batches, and the kernels made of them, are the same whatever
+        // ran when.
+        let mut hits: Vec<usize> = (0..batches.len())
+            .filter(|&b| {
+                inputs.iter().any(|arg| match arg {
+                    Arg::Tensor(var, _) => batches[b].computes(var),
+                    Arg::Scalar(_) => false,
+                })
+            })
+            .collect();
+        // An op that reads only values computed elsewhere joins a batch that
+        // reads them all already (it adds nothing that batch waits for).
+        let covering = || {
+            (0..batches.len()).find(|&b| {
+                inputs.iter().all(|arg| match arg {
+                    Arg::Tensor(var, _) => batches[b].vars.iter().any(|(v, _, _)| v.same(var)),
+                    Arg::Scalar(_) => true,
+                })
+            })
+        };
+        let mut at = match hits.first() {
+            None => match covering() {
+                Some(b) => b,
+                None => {
+                    batches.push(Open::default());
+                    batches.len() - 1
+                }
+            },
+            Some(&first) => {
+                while hits.len() > 1 {
+                    if let Some(other) = hits.pop() {
+                        let other = batches.remove(other);
+                        batches[first].absorb(other);
+                    }
+                }
+                first
+            }
+        };
+        if batches[at].ops.len() >= MAX_OPS {
+            let full = batches.remove(at);
+            self.record(engine, full);
+            batches.push(Open::default());
+            at = batches.len() - 1;
         }
+        let open = &mut batches[at];
         let operands = inputs
             .into_iter()
             .map(|arg| match arg {
@@ -150,14 +224,16 @@ impl DeviceBatch {
         });
     }
 
-    /// Records the open batch as one node (nothing if it is empty), then
-    /// lets go of its Vars.
-    fn record(&self, engine: &Engine, open: &mut Open) {
+    /// Records a batch as one node (nothing if it is empty), then lets go
+    /// of its Vars.
+    fn record(&self, engine: &Engine, open: Open) {
         if open.ops.is_empty() {
+            for (var, _, _) in &open.vars {
+                var.queue().release();
+            }
             return;
         }
-        let ops = std::mem::take(&mut open.ops);
-        let vars = std::mem::take(&mut open.vars);
+        let Open { ops, vars } = open;
         // Which values the kernel writes is decided here, at a fixed point
         // of the program: those the program still holds a handle of (besides
         // this batch's). Nothing else can ever read the others. Decided when
@@ -242,8 +318,12 @@ fn note(
 }
 
 impl Batches for DeviceBatch {
+    /// Records every open batch, oldest first (the lock is held meanwhile:
+    /// see the module's comment).
     fn close(&self, engine: &Engine) {
-        let mut open = lock(&self.open);
-        self.record(engine, &mut open);
+        let mut batches = lock(&self.open);
+        for open in std::mem::take(&mut *batches) {
+            self.record(engine, open);
+        }
     }
 }

@@ -156,6 +156,27 @@ pub(crate) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Vec<u32> {
 }
 
 impl Fuser {
+    /// Whether an op of shape `dims` with `inputs` operands joins the open
+    /// group (else the group is encoded first).
+    fn fits(&self, gpu: &Gpu, dims: &[usize], inputs: usize) -> bool {
+        self.group.as_ref().is_some_and(|g| {
+            g.dims == dims
+                && g.ops.len() < MAX_OPS
+                && g.leaves.len() + inputs + 2 <= gpu.max_bindings()
+        })
+    }
+
+    /// Marks the open group's values that `reads` names as written.
+    fn keep_if_read(&mut self, reads: &std::collections::HashSet<usize>) {
+        if let Some(g) = &mut self.group {
+            for op in &mut g.ops {
+                if reads.contains(&op.out.data_id()) {
+                    op.keep = Some(true);
+                }
+            }
+        }
+    }
+
     /// Adds `out = op(inputs)` (output shape `dims`) to the device's group,
     /// encoding the open group first when this op cannot join it.
     #[allow(clippy::too_many_arguments)]
@@ -172,12 +193,7 @@ impl Fuser {
         // Outputs are not counted here: which values a group writes is known
         // only when it is encoded, and a group that would bind too many is
         // encoded as several kernels then (see `encode_kernel`).
-        let fits = self.group.as_ref().is_some_and(|g| {
-            g.dims == dims
-                && g.ops.len() < MAX_OPS
-                && g.leaves.len() + inputs.len() + 2 <= gpu.max_bindings()
-        });
-        if !fits {
+        if !self.fits(gpu, dims, inputs.len()) {
             self.encode_group(gpu);
         }
         let group = self.group.get_or_insert_with(|| Group {
@@ -256,9 +272,32 @@ impl Fuser {
     /// independent batches a worker ran first.
     pub(crate) fn fuse_batch(gpu: &Gpu, ops: Vec<BatchOp>) -> Result<(), String> {
         gpu.check_lost()?;
+        // The data each op reads, to find the values a later part of the
+        // batch needs when the group is split (see below).
+        let reads: Vec<Vec<usize>> = ops
+            .iter()
+            .map(|op| {
+                op.inputs
+                    .iter()
+                    .filter_map(|i| match i {
+                        Input::Tensor(token, _) => Some(token.data_id()),
+                        Input::Scalar(_) => None,
+                    })
+                    .collect()
+            })
+            .collect();
         gpu.with_deferred(|fuser: &mut Fuser| {
             fuser.encode_group(gpu);
-            for op in ops {
+            for (at, op) in ops.into_iter().enumerate() {
+                // The batch decided which values are written for the whole
+                // batch; when the group must be encoded before this op (the
+                // bindings ran out), a value of it that a later op of the
+                // batch reads is written too.
+                if !fuser.fits(gpu, &op.dims, op.inputs.len()) {
+                    let later: std::collections::HashSet<usize> =
+                        reads[at..].iter().flatten().copied().collect();
+                    fuser.keep_if_read(&later);
+                }
                 let _running = crate::error::Running::enter(op.running);
                 fuser.push(
                     gpu,
