@@ -119,8 +119,10 @@ fn lock(m: &Mutex<Vec<Open>>) -> MutexGuard<'_, Vec<Open>> {
 }
 
 impl DeviceBatch {
-    /// The batch of `gpu` (device `device` of `engine`), made on first use.
-    pub(crate) fn of(engine: &Engine, gpu: &Arc<Gpu>, device: Device) -> Arc<DeviceBatch> {
+    /// The batches of `gpu` (device `device` of `engine`), made on first
+    /// use; `None` if the device's slot holds something else (then ops are
+    /// recorded one node each).
+    pub(crate) fn of(engine: &Engine, gpu: &Arc<Gpu>, device: Device) -> Option<Arc<DeviceBatch>> {
         let slot = gpu.frontend.get_or_init(|| {
             let b = Arc::new(DeviceBatch {
                 gpu: Arc::downgrade(gpu),
@@ -130,11 +132,7 @@ impl DeviceBatch {
             engine.shared().add_batches(b.clone());
             b
         });
-        match slot.clone().downcast::<DeviceBatch>() {
-            Ok(b) => b,
-            // Only this module fills the slot.
-            Err(_) => unreachable!("the frontend slot holds a DeviceBatch"),
-        }
+        slot.clone().downcast::<DeviceBatch>().ok()
     }
 
     /// Adds `out = op(inputs)` (shape `dims`) to the batch, recording the

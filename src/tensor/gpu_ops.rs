@@ -399,7 +399,11 @@ impl Tensor {
         let dims = out_shape.dims().to_vec();
         let n = out_shape.numel();
         let out = self.output(out_shape);
-        if self.engine().mode() != crate::Mode::Sync {
+        let batches = match self.engine().mode() {
+            crate::Mode::Sync => None,
+            _ => super::batch::DeviceBatch::of(self.engine(), &gpu, self.device),
+        };
+        if let Some(batches) = batches {
             // One node per batch of ops, recorded when something else needs
             // them (see `batch.rs`).
             let operands = inputs
@@ -409,15 +413,7 @@ impl Tensor {
                     Operand::Scalar(s) => super::batch::Arg::Scalar(*s),
                 })
                 .collect();
-            super::batch::DeviceBatch::of(self.engine(), &gpu, self.device).push(
-                self.engine(),
-                name,
-                location,
-                dims,
-                op,
-                operands,
-                &out.var,
-            );
+            batches.push(self.engine(), name, location, dims, op, operands, &out.var);
             return Ok(out);
         }
         let mut t = self.engine().task_at(name, location);
