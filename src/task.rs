@@ -203,22 +203,8 @@ impl<'e> TaskBuilder<'e> {
     /// assert!(handle.wait().unwrap_err().to_string().contains("the peer went away"));
     /// ```
     pub fn run_deferred(self, f: impl FnOnce(Completion) + Send + 'static) -> Result<TaskHandle> {
-        if self.mismatch {
-            return Err(crate::error::Error::EngineMismatch {
-                op: self.meta.name,
-                location: self.meta.location,
-            });
-        }
+        let mut accesses = self.accesses()?;
         let engine = self.engine.uncounted();
-        let mut accesses: SmallVec<[Access<'_>; 4]> = self
-            .vars
-            .iter()
-            .map(|(v, read, write)| Access {
-                var: v.queue(),
-                read: *read,
-                write: *write,
-            })
-            .collect();
         let node = self
             .engine
             .shared()
@@ -262,13 +248,21 @@ impl<'e> TaskBuilder<'e> {
     where
         F: FnOnce() -> std::result::Result<(), String> + Send + 'static,
     {
+        let mut accesses = self.accesses()?;
+        self.engine.shared().record(self.meta, &mut accesses, f)
+    }
+
+    /// The declared Vars as the graph records them, or the error for a Var
+    /// of another engine.
+    #[inline]
+    fn accesses(&self) -> Result<SmallVec<[Access<'_>; 4]>> {
         if self.mismatch {
             return Err(crate::error::Error::EngineMismatch {
                 op: self.meta.name,
                 location: self.meta.location,
             });
         }
-        let mut accesses: SmallVec<[Access<'_>; 4]> = self
+        Ok(self
             .vars
             .iter()
             .map(|(v, read, write)| Access {
@@ -276,7 +270,6 @@ impl<'e> TaskBuilder<'e> {
                 read: *read,
                 write: *write,
             })
-            .collect();
-        self.engine.shared().record(self.meta, &mut accesses, f)
+            .collect())
     }
 }

@@ -25,7 +25,7 @@
 //! counts of its Vars only afterwards, so whoever sees a Var held and closes
 //! the batches waits until the node is in the graph.
 
-use super::fusion::{record_order, BatchOp, ElemOp, Fuser, Input};
+use super::fusion::{record_order, BatchOp, ElemOp, Fuser, Input, MAX_OPS};
 use super::Data;
 use crate::device::gpu::Gpu;
 use crate::device::Device;
@@ -33,9 +33,6 @@ use crate::engine::{Batches, Engine};
 use crate::error::{Location, RunningOp};
 use crate::var::{Read, Var, Write};
 use std::sync::{Arc, Mutex, MutexGuard};
-
-/// Ops per batch at most (a fusion group's size, see `fusion.rs`).
-const MAX_OPS: usize = 256;
 
 /// An operand of an op as it joins a batch.
 pub(crate) enum Arg<'a> {
@@ -72,31 +69,47 @@ struct Open {
     ops: Vec<Op>,
     /// The Vars the ops name, each once: (Var, read, written).
     vars: Vec<(Var<Data>, bool, bool)>,
+    /// Each Var's place in `vars`, by its queue's key: an op looks its
+    /// inputs up on the recording thread, so no scan of the batch.
+    places: rustc_hash::FxHashMap<usize, usize>,
 }
 
 impl Open {
+    /// `var`'s place in [`Open::vars`], if the batch names it.
+    fn place(&self, var: &Var<Data>) -> Option<usize> {
+        self.places.get(&var.queue().key()).copied()
+    }
+
     /// Whether an op of the batch computes `var`.
     fn computes(&self, var: &Var<Data>) -> bool {
-        self.vars.iter().any(|(v, _, w)| *w && v.same(var))
+        self.place(var).is_some_and(|i| self.vars[i].2)
+    }
+
+    /// Adds `var` to the Vars (holding it) or merges the access; returns its
+    /// place.
+    fn note(&mut self, var: &Var<Data>, read: bool, write: bool) -> usize {
+        match self.place(var) {
+            Some(i) => {
+                self.vars[i].1 |= read;
+                self.vars[i].2 |= write;
+                i
+            }
+            None => {
+                var.queue().hold();
+                self.places.insert(var.queue().key(), self.vars.len());
+                self.vars.push((var.clone(), read, write));
+                self.vars.len() - 1
+            }
+        }
     }
 
     /// Moves `other`'s ops and Vars into this batch, in record order.
     fn absorb(&mut self, other: Open) {
         let mut place = Vec::with_capacity(other.vars.len());
         for (var, read, write) in other.vars {
-            match self.vars.iter().position(|(v, _, _)| v.same(&var)) {
-                Some(i) => {
-                    self.vars[i].1 |= read;
-                    self.vars[i].2 |= write;
-                    // Held once per batch that names it.
-                    var.queue().release();
-                    place.push(i);
-                }
-                None => {
-                    self.vars.push((var, read, write));
-                    place.push(self.vars.len() - 1);
-                }
-            }
+            place.push(self.note(&var, read, write));
+            // Held once per batch that names it.
+            var.queue().release();
         }
         for mut op in other.ops {
             op.out_var = place[op.out_var];
@@ -169,7 +182,7 @@ impl DeviceBatch {
         let covering = || {
             (0..batches.len()).find(|&b| {
                 inputs.iter().all(|arg| match arg {
-                    Arg::Tensor(var, _) => batches[b].vars.iter().any(|(v, _, _)| v.same(var)),
+                    Arg::Tensor(var, _) => batches[b].place(var).is_some(),
                     Arg::Scalar(_) => true,
                 })
             })
@@ -203,13 +216,13 @@ impl DeviceBatch {
             .into_iter()
             .map(|arg| match arg {
                 Arg::Tensor(var, shape) => {
-                    note(&mut open.vars, var, true, false);
+                    open.note(var, true, false);
                     Operand::Tensor(var.read_token(), shape)
                 }
                 Arg::Scalar(s) => Operand::Scalar(s),
             })
             .collect();
-        let out_var = note(&mut open.vars, out, false, true);
+        let out_var = open.note(out, false, true);
         open.ops.push(Op {
             name,
             location,
@@ -231,7 +244,7 @@ impl DeviceBatch {
             }
             return;
         }
-        let Open { ops, vars } = open;
+        let Open { ops, vars, .. } = open;
         // Which values the kernel writes is decided here, at a fixed point
         // of the program: those the program still holds a handle of (besides
         // this batch's). Nothing else can ever read the others. Decided when
@@ -289,28 +302,6 @@ impl DeviceBatch {
         });
         for (var, _, _) in &vars {
             var.queue().release();
-        }
-    }
-}
-
-/// Adds `var` to the batch's Vars (holding it) or merges the access;
-/// returns its place.
-fn note(
-    vars: &mut Vec<(Var<Data>, bool, bool)>,
-    var: &Var<Data>,
-    read: bool,
-    write: bool,
-) -> usize {
-    match vars.iter_mut().position(|(v, _, _)| v.same(var)) {
-        Some(i) => {
-            vars[i].1 |= read;
-            vars[i].2 |= write;
-            i
-        }
-        None => {
-            var.queue().hold();
-            vars.push((var.clone(), read, write));
-            vars.len() - 1
         }
     }
 }

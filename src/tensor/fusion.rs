@@ -46,7 +46,7 @@ use std::fmt::Write as _;
 /// Ops per fused group at most (a group becomes one kernel unless the
 /// adapter's bindings split it). Lavapipe's cost per dispatch is several
 /// times a small op's, and a 256-op chain compiles once into one kernel.
-const MAX_OPS: usize = 256;
+pub(crate) const MAX_OPS: usize = 256;
 
 /// One elementwise op.
 #[derive(Clone, Copy, Debug)]
