@@ -262,14 +262,14 @@ impl<'e> TaskBuilder<'e> {
                 location: self.meta.location,
             });
         }
-        Ok(self
-            .vars
-            .iter()
-            .map(|(v, read, write)| Access {
+        let mut accesses = SmallVec::new();
+        for (v, read, write) in &self.vars {
+            accesses.push(Access {
                 var: v.queue(),
                 read: *read,
                 write: *write,
-            })
-            .collect())
+            });
+        }
+        Ok(accesses)
     }
 }

@@ -299,7 +299,9 @@ pub(crate) struct Shared {
     /// Recorded, unfinished nodes. SeqCst: pairs with `drained.barrier` and `drained.stalled` (a
     /// completion that brings it down reads the waiters; a waiter that announced
     /// itself reads it) and with `retiring` (see `life.rs`).
-    live: AtomicUsize,
+    /// On a cache line of its own: every record and completion changes it,
+    /// and the read-mostly fields beside it would move between cores with it.
+    live: crossbeam_utils::CachePadded<AtomicUsize>,
     /// Highest `live` seen (a statistic; Relaxed).
     peak_live: AtomicUsize,
     /// Threads in `wait_all` or stalled by backpressure in Lazy mode, plus one
@@ -413,7 +415,7 @@ impl Engine {
             pool: Pool::new(config.workers),
             config,
             me: me.clone(),
-            live: AtomicUsize::new(0),
+            live: crossbeam_utils::CachePadded::new(AtomicUsize::new(0)),
             peak_live: AtomicUsize::new(0),
             global_demand: AtomicUsize::new(0),
             retiring: AtomicBool::new(false),
@@ -616,7 +618,7 @@ impl Engine {
     pub fn stats(&self) -> Stats {
         let shared = self.shared();
         shared.counters.snapshot(
-            shared.live.load(Ordering::SeqCst),
+            || shared.live.load(Ordering::SeqCst),
             shared.peak_live.load(Ordering::Relaxed),
         )
     }
@@ -872,7 +874,8 @@ impl Shared {
         if live > self.peak_live.load(Ordering::Relaxed) {
             self.peak_live.fetch_max(live, Ordering::Relaxed);
         }
-        self.counters.recorded.fetch_add(1, Ordering::Relaxed);
+        // After `live` (see `Counters::snapshot`).
+        self.counters.recorded.fetch_add(1, Ordering::SeqCst);
         let lazy = mode == Mode::Lazy;
         let (node, ready) = graph::record(meta, accesses, job, !lazy, spare);
         recycle::keep(&node);
@@ -945,7 +948,6 @@ impl Shared {
         // still looks unfinished.
         let mut released: SmallVec<[NodeRef; 4]> = SmallVec::new();
         let finished = graph::complete(node, outcome, spent, &mut |r| released.push(r));
-        self.counters.completed.fetch_add(1, Ordering::Relaxed);
         let live = self.live.fetch_sub(1, Ordering::SeqCst) - 1;
         finished.wake();
         let mut released = released.into_iter();

@@ -93,6 +93,10 @@ pub(crate) struct Node<J> {
     failed: AtomicBool,
     /// The Vars it writes, by address (deadlock checks of blockers).
     writes: SmallVec<[usize; 2]>,
+    /// The addresses of the nodes it waited for when recorded (fixed, read
+    /// without the lock; compared only with nodes the caller holds, whose
+    /// addresses no other node can have taken).
+    dep_keys: SmallVec<[usize; 2]>,
     state: Mutex<State<J>>,
 }
 
@@ -178,10 +182,10 @@ impl<J> Node<J> {
         s.deps.iter().filter(|d| !d.is_done()).cloned().collect()
     }
 
-    /// Whether it waits for `other` directly.
+    /// Whether it waited for `other` directly when it was recorded (`other`
+    /// held by the caller).
     pub(crate) fn waits_for(&self, other: &Node<J>) -> bool {
-        let key = other.key();
-        lock(&self.state).deps.iter().any(|d| d.key() == key)
+        self.dep_keys.contains(&other.key())
     }
 
     /// Whether it was demanded.
@@ -335,8 +339,16 @@ pub(crate) fn record<J>(
             }
         });
     }
-    let mut guards: SmallVec<[MutexGuard<'_, VarState<J>>; 4]> =
-        accesses.iter().map(|a| lock(&a.var.inner)).collect();
+    // Plain pushes, not `collect`: this is the hot path of every record, and
+    // the collects of a few elements cost more than the work itself.
+    let mut guards: SmallVec<[MutexGuard<'_, VarState<J>>; 4]> = SmallVec::new();
+    let mut writes: SmallVec<[usize; 2]> = SmallVec::new();
+    for a in accesses.iter() {
+        guards.push(lock(&a.var.inner));
+        if a.write {
+            writes.push(a.var.key());
+        }
+    }
 
     let mut deps: SmallVec<[(NodeRef<J>, bool); 4]> = SmallVec::new();
     let mut skip: Option<SharedError> = None;
@@ -363,40 +375,69 @@ pub(crate) fn record<J>(
             }
         }
     }
-    let writes = accesses
-        .iter()
-        .filter(|a| a.write)
-        .map(|a| a.var.key())
-        .collect();
+    let mut dep_keys: SmallVec<[usize; 2]> = SmallVec::new();
+    let mut dep_refs: SmallVec<[NodeRef<J>; 2]> = SmallVec::new();
+    for (d, _) in &deps {
+        dep_keys.push(d.key());
+        dep_refs.push(d.clone());
+    }
     let hold = deps.len() as u32 + RECORDING + if demanded { 0 } else { UNDEMANDED };
-    let fresh = Node {
-        meta,
-        pending: AtomicU32::new(hold),
-        demanded: AtomicBool::new(demanded),
-        done: AtomicBool::new(false),
-        has_waiters: AtomicBool::new(false),
-        failed: AtomicBool::new(false),
-        writes,
-        state: Mutex::new(State {
-            closed: false,
-            job: Some(job),
-            spent: None,
-            skip,
-            err: None,
-            deps: deps.iter().map(|(d, _)| d.clone()).collect(),
-            dependents: SmallVec::new(),
-            waiters: SmallVec::new(),
+    let reusable = spare.and_then(|mut n| match Arc::get_mut(&mut n) {
+        Some(slot) if slot.done.load(Ordering::Relaxed) => Some(n),
+        _ => None,
+    });
+    let node = match reusable {
+        // Reset in place, field by field: cheaper than building a node and
+        // moving it over the old one (which drops every old field first).
+        Some(mut n) => {
+            let slot = Arc::get_mut(&mut n).expect("checked above");
+            slot.meta = meta;
+            slot.pending = AtomicU32::new(hold);
+            slot.demanded = AtomicBool::new(demanded);
+            slot.done = AtomicBool::new(false);
+            slot.has_waiters = AtomicBool::new(false);
+            slot.failed = AtomicBool::new(false);
+            slot.writes = writes;
+            slot.dep_keys = dep_keys;
+            #[cfg(not(loom))]
+            let state = match slot.state.get_mut() {
+                Ok(s) => s,
+                Err(p) => p.into_inner(),
+            };
+            #[cfg(loom)]
+            let mut state = lock(&slot.state);
+            state.closed = false;
+            state.job = Some(job);
+            state.spent = None;
+            state.skip = skip;
+            state.err = None;
+            state.deps = dep_refs;
+            state.dependents.clear();
+            state.waiters.clear();
+            #[cfg(loom)]
+            drop(state);
+            n
+        }
+        None => Arc::new(Node {
+            meta,
+            pending: AtomicU32::new(hold),
+            demanded: AtomicBool::new(demanded),
+            done: AtomicBool::new(false),
+            has_waiters: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            writes,
+            dep_keys,
+            state: Mutex::new(State {
+                closed: false,
+                job: Some(job),
+                spent: None,
+                skip,
+                err: None,
+                deps: dep_refs,
+                dependents: SmallVec::new(),
+                waiters: SmallVec::new(),
+            }),
         }),
-    };
-    let node = match spare {
-        Some(mut n) => match Arc::get_mut(&mut n) {
-            Some(slot) if slot.done.load(Ordering::Relaxed) => {
-                *slot = fresh;
-                n
-            }
-            _ => Arc::new(fresh),
-        },
-        None => Arc::new(fresh),
     };
     for (a, v) in accesses.iter().zip(guards.iter_mut()) {
         if a.write {
@@ -442,6 +483,13 @@ pub(crate) fn reclaim<J>(mut spare: NodeRef<J>) -> Option<(NodeRef<J>, Option<J>
     if !node.done.load(Ordering::Relaxed) {
         return None;
     }
+    // Nobody else can reach the node: its state needs no lock.
+    #[cfg(not(loom))]
+    let spent = match node.state.get_mut() {
+        Ok(s) => s.spent.take(),
+        Err(p) => p.into_inner().spent.take(),
+    };
+    #[cfg(loom)]
     let spent = lock(&node.state).spent.take();
     Some((spare, spent))
 }
