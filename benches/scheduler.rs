@@ -1,5 +1,6 @@
 //! Per-node cost of the engine on empty generic tasks, recording included, and
-//! the cost of a blocker inside a task while many nodes are live.
+//! the cost of a blocker inside a task while many nodes are live; then the
+//! tour's small-tensor CPU loops against candle-core's eager CPU tensors.
 //!
 //! `cargo bench --bench scheduler` prints nodes per second (criterion's
 //! `Throughput::Elements`); the README turns them into ns per node next to
@@ -331,5 +332,78 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+/// The tour's CPU loops (`examples/demos/sync_async.rs`): `y = x + 1` on a
+/// `[1, 2]` tensor 10,000 times with only the last `y` kept, with every `y`
+/// kept, and the chain `x = x + 1`, each ending in one barrier (Lazy mode, the
+/// tour's engine). The peer in the same run is candle-core's eager CPU tensor
+/// doing the same ops (each returns with its result computed).
+fn tensor_loops(c: &mut Criterion) {
+    const OPS: usize = 10_000;
+    let mut g = c.benchmark_group("tensor_loops");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .throughput(Throughput::Elements(OPS as u64));
+
+    let e = engine(Mode::Lazy);
+    let x = Tensor::ones_in(&e, [1, 2]);
+    g.bench_function("lazyflow_discarded", |b| {
+        b.iter(|| {
+            let mut y = None;
+            for _ in 0..OPS {
+                y = Some(&x + 1.0);
+            }
+            e.wait_all().unwrap();
+            y
+        })
+    });
+    g.bench_function("lazyflow_kept", |b| {
+        b.iter(|| {
+            let ys: Vec<Tensor> = (0..OPS).map(|_| &x + 1.0).collect();
+            e.wait_all().unwrap();
+            ys
+        })
+    });
+    g.bench_function("lazyflow_chain", |b| {
+        b.iter(|| {
+            let mut y = x.clone();
+            for _ in 0..OPS {
+                y = &y + 1.0;
+            }
+            e.wait_all().unwrap();
+            y
+        })
+    });
+
+    use candle_core::{DType, Device as CandleDevice, Tensor as CandleTensor};
+    let cx = CandleTensor::ones((1, 2), DType::F32, &CandleDevice::Cpu).unwrap();
+    g.bench_function("candle_discarded", |b| {
+        b.iter(|| {
+            let mut y = None;
+            for _ in 0..OPS {
+                y = Some((&cx + 1.0).unwrap());
+            }
+            y
+        })
+    });
+    g.bench_function("candle_kept", |b| {
+        b.iter(|| {
+            (0..OPS)
+                .map(|_| (&cx + 1.0).unwrap())
+                .collect::<Vec<CandleTensor>>()
+        })
+    });
+    g.bench_function("candle_chain", |b| {
+        b.iter(|| {
+            let mut y = cx.clone();
+            for _ in 0..OPS {
+                y = (&y + 1.0).unwrap();
+            }
+            y
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench, tensor_loops);
 criterion_main!(benches);
