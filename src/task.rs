@@ -153,6 +153,22 @@ impl<'e> TaskBuilder<'e> {
         }
     }
 
+    /// Like [`TaskBuilder::declare_unchecked`] for a Var the caller knows it
+    /// has not declared yet (a record-time batch, whose Vars are distinct):
+    /// no search of the Vars declared so far, which would cost a batch of n
+    /// Vars n²/2 comparisons.
+    pub(crate) fn declare_distinct<T: Send + Sync + 'static>(
+        &mut self,
+        var: &Var<T>,
+        read: bool,
+        write: bool,
+    ) {
+        if !var.engine().same(self.engine) {
+            self.mismatch = true;
+        }
+        self.vars.push((var.tracked(), read, write));
+    }
+
     /// Records the task and returns a handle to wait on. In [`Mode::Sync`] the task
     /// has run when this returns, and its failure is returned here.
     pub fn run(self, f: impl FnOnce() + Send + 'static) -> Result<TaskHandle> {

@@ -25,19 +25,20 @@
 //! counts of its Vars only afterwards, so whoever sees a Var held and closes
 //! the batches waits until the node is in the graph.
 
-use super::fusion::{record_order, BatchOp, ElemOp, Fuser, Input, MAX_OPS};
+use super::fusion::{record_order, BatchOp, Dims, ElemOp, Fuser, Input, MAX_OPS};
 use super::Data;
 use crate::device::gpu::Gpu;
 use crate::device::Device;
 use crate::engine::{Batches, Engine};
 use crate::error::{Location, RunningOp};
 use crate::var::{Read, Var, Write};
+use smallvec::SmallVec;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// An operand of an op as it joins a batch.
 pub(crate) enum Arg<'a> {
     /// A tensor's Var, and its shape.
-    Tensor(&'a Var<Data>, Vec<usize>),
+    Tensor(&'a Var<Data>, Dims),
     /// A constant.
     Scalar(f32),
 }
@@ -45,7 +46,7 @@ pub(crate) enum Arg<'a> {
 /// An operand of a batched op.
 pub(crate) enum Operand {
     /// A tensor's data, and its shape.
-    Tensor(Read<Data>, Vec<usize>),
+    Tensor(Read<Data>, Dims),
     /// A constant.
     Scalar(f32),
 }
@@ -53,9 +54,9 @@ pub(crate) enum Operand {
 struct Op {
     name: &'static str,
     location: Location,
-    dims: Vec<usize>,
+    dims: Dims,
     op: ElemOp,
-    inputs: Vec<Operand>,
+    inputs: SmallVec<[Operand; 2]>,
     out: Write<Data>,
     /// The output's place in [`Open::vars`].
     out_var: usize,
@@ -96,6 +97,11 @@ impl Open {
             }
             None => {
                 var.queue().hold();
+                if self.places.is_empty() {
+                    // A batch names about one Var per op: grown once.
+                    self.places.reserve(MAX_OPS + 1);
+                    self.vars.reserve(MAX_OPS + 1);
+                }
                 self.places.insert(var.queue().key(), self.vars.len());
                 self.vars.push((var.clone(), read, write));
                 self.vars.len() - 1
@@ -156,9 +162,9 @@ impl DeviceBatch {
         engine: &Engine,
         name: &'static str,
         location: Location,
-        dims: Vec<usize>,
+        dims: Dims,
         op: ElemOp,
-        inputs: Vec<Arg<'_>>,
+        inputs: SmallVec<[Arg<'_>; 2]>,
         out: &Var<Data>,
     ) {
         let mut batches = lock(&self.open);
@@ -169,14 +175,16 @@ impl DeviceBatch {
         // not yet run, say) stay apart. Decided from what was recorded, so
         // the batches, and the kernels made of them, are the same whatever
         // ran when.
-        let mut hits: Vec<usize> = (0..batches.len())
-            .filter(|&b| {
-                inputs.iter().any(|arg| match arg {
-                    Arg::Tensor(var, _) => batches[b].computes(var),
-                    Arg::Scalar(_) => false,
-                })
-            })
-            .collect();
+        let mut hits: SmallVec<[usize; 2]> = SmallVec::new();
+        for (b, open) in batches.iter().enumerate() {
+            let computes = inputs.iter().any(|arg| match arg {
+                Arg::Tensor(var, _) => open.computes(var),
+                Arg::Scalar(_) => false,
+            });
+            if computes {
+                hits.push(b);
+            }
+        }
         // An op that reads only values computed elsewhere joins a batch that
         // reads them all already (it adds nothing that batch waits for).
         let covering = || {
@@ -212,16 +220,16 @@ impl DeviceBatch {
             at = batches.len() - 1;
         }
         let open = &mut batches[at];
-        let operands = inputs
-            .into_iter()
-            .map(|arg| match arg {
+        let mut operands: SmallVec<[Operand; 2]> = SmallVec::new();
+        for arg in inputs {
+            operands.push(match arg {
                 Arg::Tensor(var, shape) => {
                     open.note(var, true, false);
                     Operand::Tensor(var.read_token(), shape)
                 }
                 Arg::Scalar(s) => Operand::Scalar(s),
-            })
-            .collect();
+            });
+        }
         let out_var = open.note(out, false, true);
         open.ops.push(Op {
             name,
@@ -263,8 +271,9 @@ impl DeviceBatch {
         };
         let mut t = engine.task_at(ops[0].name, ops[0].location);
         t.device(self.device);
+        // Distinct: `Open::note` names each Var once.
         for (var, read, write) in &vars {
-            t.declare_unchecked(var, *read, *write);
+            t.declare_distinct(var, *read, *write);
         }
         let pending = gpu.expect_node();
         // The node's failure (a lost device, say) poisons every Var it

@@ -60,10 +60,16 @@ pub(crate) enum ElemOp {
 /// An operand of a fused op as the tensor layer hands it over.
 pub(crate) enum Input {
     /// A tensor: its data and its shape (which broadcasts to the output's).
-    Tensor(Read<Data>, Vec<usize>),
+    Tensor(Read<Data>, Dims),
     /// A constant.
     Scalar(f32),
 }
+
+/// A shape as an op carries it: inline up to rank 4 (no allocation per op).
+pub(crate) type Dims = smallvec::SmallVec<[usize; 4]>;
+
+/// The operands of one op: inline up to two.
+pub(crate) type Inputs = smallvec::SmallVec<[Input; 2]>;
 
 enum Arg {
     /// Element `i` of a bound buffer (same shape as the output).
@@ -77,9 +83,9 @@ enum Arg {
 
 /// One op of a record-time batch, for [`Fuser::fuse_batch`].
 pub(crate) struct BatchOp {
-    pub(crate) dims: Vec<usize>,
+    pub(crate) dims: Dims,
     pub(crate) op: ElemOp,
-    pub(crate) inputs: Vec<Input>,
+    pub(crate) inputs: Inputs,
     pub(crate) out: Write<Data>,
     /// Whether anything outside the batch can read the value (decided when
     /// the batch was recorded).
@@ -185,7 +191,7 @@ impl Fuser {
         gpu: &Gpu,
         dims: &[usize],
         op: ElemOp,
-        inputs: Vec<Input>,
+        inputs: Inputs,
         out: Write<Data>,
         keep: Option<bool>,
         seq: u64,
@@ -229,7 +235,7 @@ impl Fuser {
                                 group.leaves.len() - 1
                             }
                         };
-                        if shape == dims {
+                        if shape.as_slice() == dims {
                             Arg::Leaf(leaf)
                         } else {
                             Arg::Strided(leaf, broadcast_strides(&shape, dims))
@@ -258,7 +264,7 @@ impl Fuser {
         gpu: &Gpu,
         dims: &[usize],
         op: ElemOp,
-        inputs: Vec<Input>,
+        inputs: Inputs,
         out: Write<Data>,
         seq: u64,
     ) -> Result<(), String> {

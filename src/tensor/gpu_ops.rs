@@ -13,7 +13,11 @@ use crate::device::Device;
 
 /// An operand of a fused op inside its node: a tensor's data and shape, or a
 /// scalar.
-type FusedToken = (Option<crate::var::Read<Data>>, Option<Vec<usize>>, f32);
+type FusedToken = (
+    Option<crate::var::Read<Data>>,
+    Option<super::fusion::Dims>,
+    f32,
+);
 
 /// An operand of a fused op at record time.
 enum Operand<'t> {
@@ -393,10 +397,10 @@ impl Tensor {
         location: Location,
         out_shape: Shape,
         op: ElemOp,
-        inputs: Vec<Operand<'_>>,
+        inputs: smallvec::SmallVec<[Operand<'_>; 2]>,
     ) -> Result<Tensor> {
         check_size(&gpu, name, &out_shape, location)?;
-        let dims = out_shape.dims().to_vec();
+        let dims: super::fusion::Dims = super::fusion::Dims::from_slice(out_shape.dims());
         let n = out_shape.numel();
         let out = self.output(out_shape);
         let batches = match self.engine().mode() {
@@ -409,7 +413,9 @@ impl Tensor {
             let operands = inputs
                 .iter()
                 .map(|i| match i {
-                    Operand::Tensor(x) => super::batch::Arg::Tensor(&x.var, x.dims().to_vec()),
+                    Operand::Tensor(x) => {
+                        super::batch::Arg::Tensor(&x.var, super::fusion::Dims::from_slice(x.dims()))
+                    }
                     Operand::Scalar(s) => super::batch::Arg::Scalar(*s),
                 })
                 .collect();
@@ -436,7 +442,11 @@ impl Tensor {
                     } else {
                         t.read(&x.var)
                     };
-                    tokens.push((Some(token), Some(x.dims().to_vec()), 0.0));
+                    tokens.push((
+                        Some(token),
+                        Some(super::fusion::Dims::from_slice(x.dims())),
+                        0.0,
+                    ));
                 }
                 Operand::Scalar(s) => tokens.push((None, None, *s)),
             }
@@ -474,7 +484,7 @@ impl Tensor {
     ) -> Result<Tensor> {
         let name = op.name();
         if gpu.fusion {
-            let inputs = vec![Operand::Tensor(self), Operand::Tensor(other)];
+            let inputs = smallvec::smallvec![Operand::Tensor(self), Operand::Tensor(other)];
             return self.gpu_fused(gpu, name, location, out_shape, ElemOp::Binary(op), inputs);
         }
         check_size(&gpu, name, &out_shape, location)?;
@@ -876,9 +886,9 @@ impl Tensor {
     ) -> Tensor {
         if gpu.fusion {
             let inputs = if scalar_left {
-                vec![Operand::Scalar(s), Operand::Tensor(self)]
+                smallvec::smallvec![Operand::Scalar(s), Operand::Tensor(self)]
             } else {
-                vec![Operand::Tensor(self), Operand::Scalar(s)]
+                smallvec::smallvec![Operand::Tensor(self), Operand::Scalar(s)]
             };
             let shape = self.shape.clone();
             return self
@@ -903,7 +913,7 @@ impl Tensor {
                     location,
                     shape,
                     ElemOp::Unary(op),
-                    vec![Operand::Tensor(self)],
+                    smallvec::smallvec![Operand::Tensor(self)],
                 )
                 .unwrap_or_else(|e| self.poisoned(e));
         }
