@@ -58,8 +58,13 @@ pub fn run(
                    body: &dyn Fn(bool) -> DemoResult<Vec<Tensor>>|
      -> DemoResult<Loop> {
         p.part(format!("{device}: {name}, {ops} ops"));
-        body(false)?; // warm-up
+        // Warm-up. Its values are held until the barrier, as the measured
+        // run's are: which values a fused kernel writes depends on what the
+        // program still holds, so dropping them first would warm up another
+        // kernel and leave the measured run to compile its own.
+        let warm = body(false)?;
         engine.wait_all()?;
+        drop(warm);
         let k0 = kernels(engine, device);
         let timer = Benchmark::new(engine, "").quiet();
         let synced = body(true)?;
