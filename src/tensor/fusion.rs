@@ -41,6 +41,7 @@ use crate::device::gpu::{
 };
 use crate::var::{Read, Write};
 use rustc_hash::FxHashMap as HashMap;
+use smallvec::SmallVec;
 use std::fmt::Write as _;
 
 /// Ops per fused group at most (a group becomes one kernel unless the
@@ -97,7 +98,7 @@ pub(crate) struct BatchOp {
 
 struct Op {
     op: ElemOp,
-    args: Vec<Arg>,
+    args: SmallVec<[Arg; 2]>,
     out: Write<Data>,
     /// Whether the value is written, if decided before (a batch's op);
     /// else it is written if anything outside the group can read it.
@@ -215,7 +216,7 @@ impl Fuser {
         // The output's value depends on the group and on its tensor inputs.
         let mut lineage = Lineage::new();
         lineage.push(group.fate.clone());
-        let mut args = Vec::with_capacity(inputs.len());
+        let mut args: SmallVec<[Arg; 2]> = SmallVec::new();
         for input in inputs {
             args.push(match input {
                 Input::Scalar(s) => Arg::Scalar(s),
