@@ -235,8 +235,11 @@ fn bench(c: &mut Criterion) {
         });
     }
 
-    // Recording only: the nodes pile up unrun (backpressure off) and are run
-    // outside the timed region.
+    // Recording only, in rounds of 10,000 ops: each round's nodes pile up
+    // unrun (backpressure off) and are run outside the timed region, so the
+    // graph stays the size a program would have between two barriers (one
+    // long run of millions of unrun nodes measured the page faults of a
+    // growing heap instead).
     let recorder = Engine::builder()
         .mode(Mode::Lazy)
         .workers(WORKERS)
@@ -248,14 +251,21 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Elements(1));
     g.bench_function("record_tensor_op", |b| {
         b.iter_custom(|iters| {
-            let mut outs = Vec::with_capacity(iters as usize);
-            let start = Instant::now();
-            for _ in 0..iters {
-                outs.push(&x + &y);
+            const ROUND: u64 = 10_000;
+            let mut elapsed = Duration::ZERO;
+            let mut left = iters;
+            let mut outs = Vec::with_capacity(ROUND as usize);
+            while left > 0 {
+                let round = left.min(ROUND);
+                let start = Instant::now();
+                for _ in 0..round {
+                    outs.push(&x + &y);
+                }
+                elapsed += start.elapsed();
+                outs.clear();
+                recorder.wait_all().unwrap();
+                left -= round;
             }
-            let elapsed = start.elapsed();
-            drop(outs);
-            recorder.wait_all().unwrap();
             elapsed
         })
     });
