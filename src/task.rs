@@ -92,6 +92,7 @@ impl Engine {
                 name,
                 location,
                 lane: device_lane(Device::Cpu),
+                weight: 1,
             },
             vars: SmallVec::new(),
             mismatch: false,
@@ -112,6 +113,13 @@ impl<'e> TaskBuilder<'e> {
     pub fn write<T: Send + Sync + 'static>(&mut self, var: &Var<T>) -> Write<T> {
         self.declare(var, false, true);
         var.write_token()
+    }
+
+    /// Counts the task as `ops` ops (a record-time batch) in the live count,
+    /// the backpressure bound and [`crate::Stats`].
+    pub(crate) fn weight(&mut self, ops: u32) -> &mut Self {
+        self.meta.weight = ops.max(1);
+        self
     }
 
     /// Sets the device the task runs on (default: [`Device::Cpu`]).

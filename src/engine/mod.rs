@@ -332,6 +332,9 @@ pub(crate) struct Shared {
     /// `tensor/batch.rs`): closed before anything touches a Var they name,
     /// and by every barrier.
     batches: Mutex<Vec<std::sync::Arc<dyn Batches>>>,
+    /// A slot for the tensor layer's record-time batches of the CPU device
+    /// (the GPUs have theirs in their device).
+    pub(crate) cpu_frontend: OnceLock<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 /// Record-time batches of the tensor layer, as the engine closes them.
@@ -432,6 +435,7 @@ impl Engine {
             life: Mutex::new(()),
             gpus: OnceLock::new(),
             batches: Mutex::new(Vec::new()),
+            cpu_frontend: OnceLock::new(),
         });
         if shared.pool.start(&shared, "lazyflow-worker") == 0 {
             return Err(Error::Config("could not start any worker thread".into()));
@@ -867,15 +871,22 @@ impl Shared {
         spare: Option<NodeRef>,
     ) -> Result<NodeRef> {
         let mode = self.config.mode;
-        if self.live.load(Ordering::Relaxed) >= self.config.high && !self.on_worker() {
+        let weight = meta.weight as usize;
+        // A node of several ops stalls where it would cross the high mark,
+        // unless the graph is already down to the low mark (one batch may
+        // weigh more than a small bound).
+        let now = self.live.load(Ordering::Relaxed);
+        if now + weight > self.config.high && now > self.resume_at && !self.on_worker() {
             self.backpressure();
         }
-        let live = self.live.fetch_add(1, Ordering::SeqCst) + 1;
+        let live = self.live.fetch_add(weight, Ordering::SeqCst) + weight;
         if live > self.peak_live.load(Ordering::Relaxed) {
             self.peak_live.fetch_max(live, Ordering::Relaxed);
         }
         // After `live` (see `Counters::snapshot`).
-        self.counters.recorded.fetch_add(1, Ordering::SeqCst);
+        self.counters
+            .recorded
+            .fetch_add(weight as u64, Ordering::SeqCst);
         let lazy = mode == Mode::Lazy;
         let (node, ready) = graph::record(meta, accesses, job, !lazy, spare);
         recycle::keep(&node);
@@ -948,7 +959,8 @@ impl Shared {
         // still looks unfinished.
         let mut released: SmallVec<[NodeRef; 4]> = SmallVec::new();
         let finished = graph::complete(node, outcome, spent, &mut |r| released.push(r));
-        let live = self.live.fetch_sub(1, Ordering::SeqCst) - 1;
+        let weight = node.meta.weight as usize;
+        let live = self.live.fetch_sub(weight, Ordering::SeqCst) - weight;
         finished.wake();
         let mut released = released.into_iter();
         let next = released.next();

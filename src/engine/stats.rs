@@ -30,6 +30,13 @@ pub struct Stats {
     pub live_vars: usize,
     /// Vars with handles left (that new nodes can still name).
     pub tracked_vars: usize,
+    /// Elementwise CPU ops of record-time batches that were never computed:
+    /// nothing could read their value when their batch was recorded (a
+    /// `y = x + 1` whose `y` was dropped, say). A batch counts as one node
+    /// per op it holds in `recorded`, `completed` and the live counts.
+    pub elided_ops: u64,
+    /// Record-time batches recorded, each as one node (see `elided_ops`).
+    pub batches: u64,
 }
 
 /// Counts bumped on the hot paths (Relaxed: statistics only).
@@ -49,6 +56,8 @@ pub(crate) struct Counters {
     pub(crate) backpressure_stalls: AtomicU64,
     pub(crate) live_vars: CachePadded<AtomicUsize>,
     pub(crate) tracked_vars: CachePadded<AtomicUsize>,
+    pub(crate) elided_ops: AtomicU64,
+    pub(crate) batches: AtomicU64,
 }
 
 impl Counters {
@@ -82,6 +91,8 @@ impl Counters {
             peak_live_nodes: peak.max(live_nodes),
             live_vars: self.live_vars.load(Ordering::Relaxed),
             tracked_vars: self.tracked_vars.load(Ordering::Relaxed),
+            elided_ops: r(&self.elided_ops),
+            batches: r(&self.batches),
         }
     }
 }

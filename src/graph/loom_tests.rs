@@ -10,6 +10,7 @@ fn meta(name: &'static str) -> NodeMeta {
         name,
         location: Location::caller(),
         lane: 0,
+        weight: 1,
     }
 }
 

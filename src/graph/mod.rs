@@ -49,6 +49,9 @@ pub(crate) struct NodeMeta {
     /// An opaque number the engine gives the node (the device it runs on); the
     /// graph only passes it to the caller's label function.
     pub(crate) lane: u32,
+    /// How many ops the node stands for: 1, or the ops of a record-time batch
+    /// (the engine's live count and backpressure count ops, not nodes).
+    pub(crate) weight: u32,
 }
 
 /// How a node ended.

@@ -35,6 +35,10 @@ use crate::var::{Read, Var, Write};
 use smallvec::SmallVec;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+/// The most batches a device keeps open at once: an op looks at each of
+/// them, and unrelated ops each start one.
+const MAX_OPEN: usize = 16;
+
 /// An operand of an op as it joins a batch.
 pub(crate) enum Arg<'a> {
     /// A tensor's Var, and its shape.
@@ -45,8 +49,8 @@ pub(crate) enum Arg<'a> {
 
 /// An operand of a batched op.
 pub(crate) enum Operand {
-    /// A tensor's data, and its shape.
-    Tensor(Read<Data>, Dims),
+    /// A tensor's data, its shape, and its Var's place in [`Open::vars`].
+    Tensor(Read<Data>, Dims, usize),
     /// A constant.
     Scalar(f32),
 }
@@ -119,16 +123,29 @@ impl Open {
         }
         for mut op in other.ops {
             op.out_var = place[op.out_var];
+            for input in &mut op.inputs {
+                if let Operand::Tensor(_, _, p) = input {
+                    *p = place[*p];
+                }
+            }
             self.ops.push(op);
         }
         self.ops.sort_by_key(|op| op.seq);
     }
 }
 
-/// One GPU device's record-time batches.
-pub(crate) struct DeviceBatch {
+/// Where a device's batches run.
+enum Backend {
     /// Weak: the device holds its batches (its `frontend` slot).
-    gpu: std::sync::Weak<Gpu>,
+    Gpu(std::sync::Weak<Gpu>),
+    /// The CPU: a batch's node runs its ops one after the other with the
+    /// CPU kernels, and writes only the values kept.
+    Cpu,
+}
+
+/// One device's record-time batches.
+pub(crate) struct DeviceBatch {
+    backend: Backend,
     device: Device,
     open: Mutex<Vec<Open>>,
 }
@@ -144,8 +161,22 @@ impl DeviceBatch {
     pub(crate) fn of(engine: &Engine, gpu: &Arc<Gpu>, device: Device) -> Option<Arc<DeviceBatch>> {
         let slot = gpu.frontend.get_or_init(|| {
             let b = Arc::new(DeviceBatch {
-                gpu: Arc::downgrade(gpu),
+                backend: Backend::Gpu(Arc::downgrade(gpu)),
                 device,
+                open: Mutex::new(Vec::new()),
+            });
+            engine.shared().add_batches(b.clone());
+            b
+        });
+        slot.clone().downcast::<DeviceBatch>().ok()
+    }
+
+    /// The batches of `engine`'s CPU device, made on first use.
+    pub(crate) fn cpu(engine: &Engine) -> Option<Arc<DeviceBatch>> {
+        let slot = engine.shared().cpu_frontend.get_or_init(|| {
+            let b = Arc::new(DeviceBatch {
+                backend: Backend::Cpu,
+                device: Device::Cpu,
                 open: Mutex::new(Vec::new()),
             });
             engine.shared().add_batches(b.clone());
@@ -166,7 +197,15 @@ impl DeviceBatch {
         op: ElemOp,
         inputs: SmallVec<[Arg<'_>; 2]>,
         out: &Var<Data>,
-    ) {
+    ) -> crate::error::Result<()> {
+        // A Var of another engine: the error a task naming it gets.
+        let foreign = inputs.iter().any(|arg| match arg {
+            Arg::Tensor(var, _) => !var.engine().same(engine),
+            Arg::Scalar(_) => false,
+        });
+        if foreign {
+            return Err(crate::error::Error::EngineMismatch { op: name, location });
+        }
         let mut batches = lock(&self.open);
         // The op joins the batch that computes one of its inputs (merging
         // them when several do), or starts a batch of its own: a batch holds
@@ -199,6 +238,12 @@ impl DeviceBatch {
             None => match covering() {
                 Some(b) => b,
                 None => {
+                    if batches.len() >= MAX_OPEN {
+                        // Many unrelated ops: the oldest batch is recorded
+                        // (each op looks at every open batch).
+                        let oldest = batches.remove(0);
+                        self.record(engine, oldest);
+                    }
                     batches.push(Open::default());
                     batches.len() - 1
                 }
@@ -224,8 +269,8 @@ impl DeviceBatch {
         for arg in inputs {
             operands.push(match arg {
                 Arg::Tensor(var, shape) => {
-                    open.note(var, true, false);
-                    Operand::Tensor(var.read_token(), shape)
+                    let place = open.note(var, true, false);
+                    Operand::Tensor(var.read_token(), shape, place)
                 }
                 Arg::Scalar(s) => Operand::Scalar(s),
             });
@@ -241,6 +286,7 @@ impl DeviceBatch {
             out_var,
             seq: record_order(),
         });
+        Ok(())
     }
 
     /// Records a batch as one node (nothing if it is empty), then lets go
@@ -253,6 +299,10 @@ impl DeviceBatch {
             return;
         }
         let Open { ops, vars, .. } = open;
+        engine
+            .counters()
+            .batches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         // Which values the kernel writes is decided here, at a fixed point
         // of the program: those the program still holds a handle of (besides
         // this batch's). Nothing else can ever read the others. Decided when
@@ -262,7 +312,25 @@ impl DeviceBatch {
             .iter()
             .map(|op| vars[op.out_var].0.handles() > 1)
             .collect();
-        let Some(gpu) = self.gpu.upgrade() else {
+        let gpu = match &self.backend {
+            Backend::Cpu => {
+                let mut t = engine.task_at(ops[0].name, ops[0].location);
+                t.device(self.device);
+                for (var, read, write) in &vars {
+                    t.declare_distinct(var, *read, *write);
+                }
+                t.weight(ops.len() as u32);
+                let places = vars.len();
+                let counters = engine.counters().clone();
+                let _ = t.push_fallible(move || run_on_cpu(ops, keep, places, &counters));
+                for (var, _, _) in &vars {
+                    var.queue().release();
+                }
+                return;
+            }
+            Backend::Gpu(gpu) => gpu.upgrade(),
+        };
+        let Some(gpu) = gpu else {
             // The engine's devices are gone with it: nothing can read these.
             for (var, _, _) in &vars {
                 var.queue().release();
@@ -270,7 +338,7 @@ impl DeviceBatch {
             return;
         };
         let mut t = engine.task_at(ops[0].name, ops[0].location);
-        t.device(self.device);
+        t.device(self.device).weight(ops.len() as u32);
         // Distinct: `Open::note` names each Var once.
         for (var, read, write) in &vars {
             t.declare_distinct(var, *read, *write);
@@ -291,7 +359,7 @@ impl DeviceBatch {
                         .inputs
                         .into_iter()
                         .map(|i| match i {
-                            Operand::Tensor(token, shape) => Input::Tensor(token, shape),
+                            Operand::Tensor(token, shape, _) => Input::Tensor(token, shape),
                             Operand::Scalar(s) => Input::Scalar(s),
                         })
                         .collect(),
@@ -313,6 +381,103 @@ impl DeviceBatch {
             var.queue().release();
         }
     }
+}
+
+/// Runs a CPU batch's ops in record order. A value that is kept goes to its
+/// Var (where the later ops of the batch read it too); the others live in
+/// this function until their last reader ran, and are never written.
+fn run_on_cpu(
+    ops: Vec<Op>,
+    keep: Vec<bool>,
+    places: usize,
+    counters: &crate::engine::Counters,
+) -> Result<(), String> {
+    use super::kernels;
+    // Which ops must run: those whose value is kept, and those a needed op
+    // reads (backwards, so that a value read only by unneeded ops is not
+    // needed either). Then the last needed op that reads each place.
+    let mut needed = keep.clone();
+    let mut read_by_needed = vec![false; places];
+    let mut last_read = vec![0usize; places];
+    for (j, op) in ops.iter().enumerate().rev() {
+        needed[j] |= read_by_needed[op.out_var];
+        if !needed[j] {
+            continue;
+        }
+        for input in &op.inputs {
+            if let Operand::Tensor(_, _, place) = input {
+                if !read_by_needed[*place] {
+                    read_by_needed[*place] = true;
+                    last_read[*place] = j;
+                }
+            }
+        }
+    }
+    let elided = needed.iter().filter(|n| !**n).count();
+    if elided > 0 {
+        counters
+            .elided_ops
+            .fetch_add(elided as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+    let mut local: Vec<Option<Vec<f32>>> = (0..places).map(|_| None).collect();
+    for (j, ((op, keep), needed)) in ops.into_iter().zip(keep).zip(needed).enumerate() {
+        if !needed {
+            continue;
+        }
+        let n: usize = op.dims.iter().product();
+        let mut out =
+            super::ops::zeroed(n).map_err(|e| format!("{} at {}: {e}", op.name, op.location))?;
+        {
+            // Each tensor operand: the batch's own value, or the Var's data.
+            let guards: SmallVec<[Option<crate::var::ReadGuard<'_, Data>>; 2]> = op
+                .inputs
+                .iter()
+                .map(|input| match input {
+                    Operand::Tensor(token, _, place) if local[*place].is_none() => {
+                        Some(token.read())
+                    }
+                    _ => None,
+                })
+                .collect();
+            let mut values: SmallVec<[&[f32]; 2]> = SmallVec::new();
+            for (input, guard) in op.inputs.iter().zip(&guards) {
+                match (input, guard) {
+                    (Operand::Tensor(..), Some(g)) => values.push(g.host()?),
+                    (Operand::Tensor(_, _, place), None) => {
+                        values.push(local[*place].as_deref().unwrap_or(&[]))
+                    }
+                    (Operand::Scalar(_), _) => {}
+                }
+            }
+            match (op.op, op.inputs.as_slice()) {
+                (ElemOp::Unary(u), [Operand::Tensor(..)]) => kernels::unary(u, values[0], &mut out),
+                (ElemOp::Binary(b), [Operand::Tensor(_, da, _), Operand::Tensor(_, db, _)]) => {
+                    kernels::binary(b, values[0], da, values[1], db, &op.dims, &mut out)
+                }
+                (ElemOp::Binary(b), [Operand::Tensor(..), Operand::Scalar(s)]) => {
+                    kernels::binary_scalar(b, values[0], *s, &mut out)
+                }
+                (ElemOp::Binary(b), [Operand::Scalar(s), Operand::Tensor(..)]) => {
+                    kernels::scalar_binary(b, *s, values[0], &mut out)
+                }
+                _ => return Err("internal error: an op of a CPU batch has the wrong operands".into()),
+            }
+        }
+        if keep {
+            *op.out.write() = Data::Host(out);
+        } else {
+            local[op.out_var] = Some(out);
+        }
+        // Values nothing reads any more are freed at once.
+        for input in &op.inputs {
+            if let Operand::Tensor(_, _, place) = input {
+                if last_read[*place] == j {
+                    local[*place] = None;
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Batches for DeviceBatch {

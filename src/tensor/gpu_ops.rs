@@ -419,7 +419,7 @@ impl Tensor {
                     Operand::Scalar(s) => super::batch::Arg::Scalar(*s),
                 })
                 .collect();
-            batches.push(self.engine(), name, location, dims, op, operands, &out.var);
+            batches.push(self.engine(), name, location, dims, op, operands, &out.var)?;
             return Ok(out);
         }
         let mut t = self.engine().task_at(name, location);

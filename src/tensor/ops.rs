@@ -2,7 +2,16 @@
 
 use super::gpu_ops::{binary_expr_xs, unary_expr};
 use super::kernels::{self, BinaryOp, ReduceOp, UnaryOp};
+use super::batch::{Arg, DeviceBatch};
+use super::fusion::{Dims, ElemOp};
 use super::{Data, Shape, Tensor};
+
+/// The largest elementwise CPU op, in elements, that joins a record-time
+/// batch (`batch.rs`) in Lazy and Async mode. Below it a node's fixed cost
+/// outweighs the op, and a batch runs hundreds of ops as one node (and never
+/// computes values nothing can read). Above it each op keeps a node of its
+/// own, so that independent ops still run on different workers at once.
+pub(crate) const CPU_BATCH_MAX: usize = 16_384;
 use crate::device::Device;
 use crate::error::{shapes_list, Error, Location, Result};
 use std::ops;
@@ -159,6 +168,34 @@ impl Tensor {
             Ok(())
         });
         out
+    }
+
+    /// Adds an elementwise op on the CPU to the CPU's record-time batches
+    /// (`batch.rs`) and returns its output; `None` where it takes a node of
+    /// its own: in Sync mode, and for outputs above [`CPU_BATCH_MAX`]
+    /// elements.
+    fn cpu_batched<'a>(
+        &'a self,
+        name: &'static str,
+        location: Location,
+        shape: &Shape,
+        op: ElemOp,
+        inputs: impl FnOnce() -> smallvec::SmallVec<[Arg<'a>; 2]>,
+    ) -> Option<Result<Tensor>> {
+        if self.device != Device::Cpu
+            || shape.numel() > CPU_BATCH_MAX
+            || self.engine().mode() == crate::Mode::Sync
+        {
+            return None;
+        }
+        let batches = DeviceBatch::cpu(self.engine())?;
+        let out = self.output(shape.clone());
+        let dims = Dims::from_slice(shape.dims());
+        Some(
+            batches
+                .push(self.engine(), name, location, dims, op, inputs(), &out.var)
+                .map(|()| out),
+        )
     }
 
     /// Records `out = f(self, other)`.
@@ -324,6 +361,15 @@ impl Tensor {
         if let Some(gpu) = self.gpu(name, location)? {
             return self.gpu_binary(gpu, other, op, out_shape, location);
         }
+        let batched = self.cpu_batched(name, location, &out_shape, ElemOp::Binary(op), || {
+            smallvec::smallvec![
+                Arg::Tensor(&self.var, Dims::from_slice(self.dims())),
+                Arg::Tensor(&other.var, Dims::from_slice(other.dims())),
+            ]
+        });
+        if let Some(out) = batched {
+            return out;
+        }
         let (sa, sb, so) = (self.shape.clone(), other.shape.clone(), out_shape.clone());
         self.map2(other, name, location, out_shape, move |a, b, out| {
             kernels::binary(op, a, sa.dims(), b, sb.dims(), so.dims(), out);
@@ -347,6 +393,17 @@ impl Tensor {
             Ok(None) => {}
             Err(e) => return self.poisoned(e),
         }
+        let batched = self.cpu_batched(op.name(), location, &self.shape, ElemOp::Binary(op), || {
+            let x = Arg::Tensor(&self.var, Dims::from_slice(self.dims()));
+            if scalar_left {
+                smallvec::smallvec![Arg::Scalar(s), x]
+            } else {
+                smallvec::smallvec![x, Arg::Scalar(s)]
+            }
+        });
+        if let Some(out) = batched {
+            return out.unwrap_or_else(|e| self.poisoned(e));
+        }
         self.map1(op.name(), location, self.shape.clone(), move |a, out| {
             if scalar_left {
                 kernels::scalar_binary(op, s, a, out);
@@ -366,6 +423,12 @@ impl Tensor {
             Ok(Some(gpu)) => return self.gpu_unary(gpu, op, location),
             Ok(None) => {}
             Err(e) => return self.poisoned(e),
+        }
+        let batched = self.cpu_batched(op.name(), location, &self.shape, ElemOp::Unary(op), || {
+            smallvec::smallvec![Arg::Tensor(&self.var, Dims::from_slice(self.dims()))]
+        });
+        if let Some(out) = batched {
+            return out.unwrap_or_else(|e| self.poisoned(e));
         }
         self.map1(op.name(), location, self.shape.clone(), move |a, out| {
             kernels::unary(op, a, out);
