@@ -267,11 +267,13 @@ pub fn field_kb(text: &str, key: &str) -> Option<f64> {
         .and_then(|kb| kb.parse::<f64>().ok())
 }
 
-/// Kernels a device has run so far: dispatches on a GPU, finished nodes on the
-/// CPU (where each op is one node).
+/// Kernels a device has run so far: dispatches on a GPU, ops computed on the
+/// CPU (a record-time batch counts each op it computed).
 pub fn kernels(engine: &Engine, device: Device) -> u64 {
     if device == Device::Cpu {
-        engine.stats().completed
+        // Ops finished, less those of record-time batches never computed.
+        let s = engine.stats();
+        s.completed - s.elided_ops
     } else {
         engine.kernels_dispatched(device)
     }

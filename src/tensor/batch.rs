@@ -105,6 +105,7 @@ impl Open {
                     // A batch names about one Var per op: grown once.
                     self.places.reserve(MAX_OPS + 1);
                     self.vars.reserve(MAX_OPS + 1);
+                    self.ops.reserve(MAX_OPS);
                 }
                 self.places.insert(var.queue().key(), self.vars.len());
                 self.vars.push((var.clone(), read, write));
