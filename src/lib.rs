@@ -63,7 +63,7 @@ pub use error::{Error, Location, Result};
 pub use task::{TaskBuilder, TaskHandle};
 pub use tensor::{
     matmul_class, matmul_kernels, no_grad, KernelBuilder, NoGrad, PoolKind, Reduction, Shape,
-    Tensor,
+    Tensor, CPU_BATCH_MAX,
 };
 pub use var::{Read, ReadGuard, Var, Write, WriteGuard};
 

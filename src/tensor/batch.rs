@@ -461,7 +461,11 @@ fn run_on_cpu(
                 (ElemOp::Binary(b), [Operand::Scalar(s), Operand::Tensor(..)]) => {
                     kernels::scalar_binary(b, *s, values[0], &mut out)
                 }
-                _ => return Err("internal error: an op of a CPU batch has the wrong operands".into()),
+                _ => {
+                    return Err(
+                        "internal error: an op of a CPU batch has the wrong operands".into(),
+                    )
+                }
             }
         }
         if keep {

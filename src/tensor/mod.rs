@@ -23,6 +23,7 @@ mod matmul_kernels;
 pub(crate) mod nn_kernels;
 mod nn_ops;
 mod ops;
+pub use ops::CPU_BATCH_MAX;
 mod shaders;
 mod shape;
 mod user_kernel;

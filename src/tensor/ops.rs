@@ -1,17 +1,34 @@
 //! Tensor ops: record-time validation, then one node per op.
 
-use super::gpu_ops::{binary_expr_xs, unary_expr};
-use super::kernels::{self, BinaryOp, ReduceOp, UnaryOp};
 use super::batch::{Arg, DeviceBatch};
 use super::fusion::{Dims, ElemOp};
+use super::gpu_ops::{binary_expr_xs, unary_expr};
+use super::kernels::{self, BinaryOp, ReduceOp, UnaryOp};
 use super::{Data, Shape, Tensor};
 
 /// The largest elementwise CPU op, in elements, that joins a record-time
-/// batch (`batch.rs`) in Lazy and Async mode. Below it a node's fixed cost
-/// outweighs the op, and a batch runs hundreds of ops as one node (and never
-/// computes values nothing can read). Above it each op keeps a node of its
-/// own, so that independent ops still run on different workers at once.
-pub(crate) const CPU_BATCH_MAX: usize = 16_384;
+/// batch in Lazy and Async mode.
+///
+/// Up to this size a node's fixed cost (about a microsecond) outweighs the op,
+/// so an elementwise op on the CPU (`+`, `exp`, `relu`, ...) joins an open
+/// batch of connected ops instead of taking a node: the batch runs up to 256
+/// ops as one node, in record order, and computes only the values something
+/// can still read when it is recorded (see [`crate::Stats::elided_ops`]).
+/// Larger ops keep a node each, so that independent ones run on different
+/// workers at once. Sync mode records a node per op.
+///
+/// ```
+/// use lazyflow::{Engine, Mode, Tensor};
+/// let e = Engine::builder().mode(Mode::Lazy).build().unwrap();
+/// let x = Tensor::ones_in(&e, [4]);
+/// let mut y = x.clone();
+/// for _ in 0..1_000 {
+///     y = &y + 1.0;
+/// }
+/// assert_eq!(y.to_vec().unwrap(), vec![1_001.0; 4]);
+/// assert!(e.stats().batches <= 10);
+/// ```
+pub const CPU_BATCH_MAX: usize = 16_384;
 use crate::device::Device;
 use crate::error::{shapes_list, Error, Location, Result};
 use std::ops;
@@ -393,14 +410,15 @@ impl Tensor {
             Ok(None) => {}
             Err(e) => return self.poisoned(e),
         }
-        let batched = self.cpu_batched(op.name(), location, &self.shape, ElemOp::Binary(op), || {
-            let x = Arg::Tensor(&self.var, Dims::from_slice(self.dims()));
-            if scalar_left {
-                smallvec::smallvec![Arg::Scalar(s), x]
-            } else {
-                smallvec::smallvec![x, Arg::Scalar(s)]
-            }
-        });
+        let batched =
+            self.cpu_batched(op.name(), location, &self.shape, ElemOp::Binary(op), || {
+                let x = Arg::Tensor(&self.var, Dims::from_slice(self.dims()));
+                if scalar_left {
+                    smallvec::smallvec![Arg::Scalar(s), x]
+                } else {
+                    smallvec::smallvec![x, Arg::Scalar(s)]
+                }
+            });
         if let Some(out) = batched {
             return out.unwrap_or_else(|e| self.poisoned(e));
         }

@@ -1,0 +1,185 @@
+//! Record-time batches of elementwise CPU ops (Lazy and Async mode): values
+//! against hand-computed ones, the nodes and computed ops they save
+//! (`Stats::batches`, `Stats::elided_ops`), and their order with everything
+//! else that touches the same Vars.
+
+use lazyflow::{Engine, Mode, Tensor, CPU_BATCH_MAX};
+
+fn engine(mode: Mode) -> Engine {
+    Engine::builder().mode(mode).workers(2).build().unwrap()
+}
+
+#[test]
+fn a_chain_takes_a_node_per_batch_and_computes_every_op() {
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let x0 = Tensor::from_vec_in(&e, vec![1.0, 2.0], [2]).unwrap();
+        let before = e.stats();
+        let mut x = x0.clone();
+        for _ in 0..1_000 {
+            x = &x + 1.0;
+        }
+        assert_eq!(x.to_vec().unwrap(), vec![1_001.0, 1_002.0], "{mode:?}");
+        let after = e.stats();
+        let batches = after.batches - before.batches;
+        assert!((4..=10).contains(&batches), "{mode:?}: {batches} batches");
+        assert_eq!(after.recorded - before.recorded, 1_000, "{mode:?}");
+        // Every op of a chain feeds the last one: none is skipped.
+        assert_eq!(after.elided_ops, before.elided_ops, "{mode:?}");
+    }
+}
+
+#[test]
+fn sync_mode_records_a_node_per_op() {
+    let e = engine(Mode::Sync);
+    let mut x = Tensor::ones_in(&e, [3]);
+    for _ in 0..10 {
+        x = &x * 2.0;
+    }
+    assert_eq!(x.to_vec().unwrap(), vec![1_024.0; 3]);
+    assert_eq!(e.stats().batches, 0);
+}
+
+#[test]
+fn values_nothing_can_read_are_never_computed() {
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let x = Tensor::from_vec_in(&e, vec![1.0, -1.0], [2]).unwrap();
+        let mut y = None;
+        for i in 0..1_000 {
+            y = Some((&x + i as f32).exp());
+        }
+        let y = y.unwrap();
+        let want: Vec<f32> = [1.0f32, -1.0].iter().map(|v| (v + 999.0).exp()).collect();
+        assert_eq!(y.to_vec().unwrap(), want, "{mode:?}");
+        // Reading y ran only the batch it needs (in Lazy mode); the barrier
+        // runs the others. Of the 2,000 ops, each batch computed only the y
+        // the loop still held when the batch was recorded (2 ops: the add
+        // and the exp).
+        e.wait_all().unwrap();
+        let s = e.stats();
+        assert_eq!(s.elided_ops, 2_000 - 2 * s.batches, "{mode:?}: {s:?}");
+    }
+}
+
+#[test]
+fn kept_values_and_values_read_inside_the_batch_are_all_right() {
+    let e = engine(Mode::Lazy);
+    let x = Tensor::from_vec_in(&e, vec![0.5, 1.5, -2.0], [3]).unwrap();
+    // a is read by b and c inside the batch and dropped; b is kept; c reads
+    // both and is kept.
+    let a = (&x * 2.0).abs();
+    let b = &a - 1.0;
+    let c = &a * &b;
+    drop(a);
+    let want_b = [0.0f32, 2.0, 3.0];
+    let want_c = [0.0f32, 6.0, 12.0];
+    assert_eq!(b.to_vec().unwrap(), want_b);
+    assert_eq!(c.to_vec().unwrap(), want_c);
+}
+
+#[test]
+fn batches_that_meet_merge_and_keep_their_values() {
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let p = Tensor::from_vec_in(&e, vec![1.0, 2.0], [2]).unwrap();
+        let q = Tensor::from_vec_in(&e, vec![10.0, 20.0], [2]).unwrap();
+        // Two unrelated chains: two batches.
+        let (mut a, mut b) = (p.clone(), q.clone());
+        for _ in 0..5 {
+            a = &a * 2.0;
+            b = &b + 1.0;
+        }
+        // An op reading both merges them; the values of both chains are
+        // read inside the merged batch.
+        let c = (&a + &b).sqrt();
+        let want: Vec<f32> = [32.0f32 + 15.0, 64.0 + 25.0]
+            .iter()
+            .map(|v| v.sqrt())
+            .collect();
+        assert_eq!(c.to_vec().unwrap(), want, "{mode:?}");
+    }
+}
+
+#[test]
+fn broadcasting_and_scalar_sides_match_plain_loops() {
+    let e = engine(Mode::Async);
+    let m = Tensor::from_vec_in(&e, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3]).unwrap();
+    let row = Tensor::from_vec_in(&e, vec![10.0, 20.0, 30.0], [3]).unwrap();
+    let col = Tensor::from_vec_in(&e, vec![100.0, 200.0], [2, 1]).unwrap();
+    let r = (&(&m + &row) - &col) / 2.0;
+    let l = 1.0 - &m;
+    let mut want_r = Vec::new();
+    for i in 0..2 {
+        for j in 0..3 {
+            let v = (1 + i * 3 + j) as f32;
+            want_r.push((v + [10.0, 20.0, 30.0][j] - [100.0, 200.0][i]) / 2.0);
+        }
+    }
+    assert_eq!(r.dims(), &[2, 3]);
+    assert_eq!(r.to_vec().unwrap(), want_r);
+    assert_eq!(l.to_vec().unwrap(), vec![0.0, -1.0, -2.0, -3.0, -4.0, -5.0]);
+}
+
+#[test]
+fn an_in_place_write_comes_after_the_batch_that_reads_the_old_value() {
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let x = Tensor::from_vec_in(&e, vec![1.0, 2.0], [2]).unwrap();
+        let y = &x * 3.0;
+        x.add_scalar_(10.0);
+        assert_eq!(y.to_vec().unwrap(), vec![3.0, 6.0], "{mode:?}");
+        assert_eq!(x.to_vec().unwrap(), vec![11.0, 12.0], "{mode:?}");
+        // A reduction reading a batched value sees it computed.
+        let z = &x + 1.0;
+        assert_eq!(z.sum().item().unwrap(), 25.0, "{mode:?}");
+    }
+}
+
+#[test]
+fn large_outputs_keep_a_node_per_op() {
+    let e = engine(Mode::Lazy);
+    let x = Tensor::ones_in(&e, [CPU_BATCH_MAX + 1]);
+    let y = &(&x + 1.0) * 3.0;
+    assert_eq!(y.to_vec().unwrap(), vec![6.0; CPU_BATCH_MAX + 1]);
+    assert_eq!(e.stats().batches, 0);
+    let small = Tensor::ones_in(&e, [CPU_BATCH_MAX]);
+    assert_eq!(
+        (&small + 1.0).sum().item().unwrap(),
+        2.0 * CPU_BATCH_MAX as f32
+    );
+    assert_eq!(e.stats().batches, 1);
+}
+
+#[test]
+fn many_unrelated_ops_all_come_out_right() {
+    // More independent ops than a device keeps batches open: the oldest are
+    // recorded as new ones start.
+    let e = engine(Mode::Lazy);
+    let xs: Vec<Tensor> = (0..200)
+        .map(|i| Tensor::full_in(&e, [2], i as f32))
+        .collect();
+    let ys: Vec<Tensor> = xs.iter().map(|x| x * 2.0).collect();
+    for (i, y) in ys.iter().enumerate() {
+        assert_eq!(y.to_vec().unwrap(), vec![2.0 * i as f32; 2]);
+    }
+}
+
+#[test]
+fn backpressure_bounds_the_ops_of_batches_too() {
+    let e = Engine::builder()
+        .mode(Mode::Lazy)
+        .workers(2)
+        .backpressure(1_000, 0)
+        .build()
+        .unwrap();
+    let x = Tensor::ones_in(&e, [4]);
+    let mut acc = Tensor::zeros_in(&e, [4]);
+    for _ in 0..20_000 {
+        acc = &acc + &x;
+    }
+    assert_eq!(acc.to_vec().unwrap(), vec![20_000.0; 4]);
+    let s = e.stats();
+    assert!(s.peak_live_nodes <= 1_000, "{s:?}");
+    assert!(s.backpressure_stalls > 0, "{s:?}");
+}
