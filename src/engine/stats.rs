@@ -6,7 +6,8 @@ use crossbeam_utils::CachePadded;
 /// What the engine has done so far; see [`crate::Engine::stats`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
-    /// Nodes recorded.
+    /// Nodes recorded (a record-time batch of elementwise ops counts once
+    /// per op it holds, here and in `completed` and the live counts).
     pub recorded: u64,
     /// Nodes finished (ran, failed or skipped).
     pub completed: u64,

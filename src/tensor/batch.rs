@@ -1,25 +1,33 @@
-//! Record-time batches of elementwise GPU ops: in Lazy and Async mode, an
-//! elementwise op on a GPU is not recorded as a node of its own. It joins its
-//! device's open batch (its output Tensor and Var exist at once, and its
-//! write is counted in the Var's version), and the batch is recorded as one
-//! node that pushes all its ops into the device's fusion group (`fusion.rs`)
-//! when it closes:
+//! Record-time batches of elementwise ops: in Lazy and Async mode, an
+//! elementwise op on a GPU, or on the CPU up to [`super::CPU_BATCH_MAX`]
+//! elements, is not recorded as a node of its own. It joins its device's
+//! open batch (its output Tensor and Var exist at once, and its write is
+//! counted in the Var's version), and the batch is recorded as one node when
+//! it closes:
 //!
 //! - when it holds [`MAX_OPS`] ops;
 //! - at the same points for every open batch of the device: an op joins the
 //!   batch that computes one of its inputs, else one that already reads all
 //!   its inputs, else starts one, so a batch holds connected ops only (a
 //!   reader of one value of a batch waits for everything the batch reads,
-//!   and unrelated chains stay apart);
+//!   and unrelated chains stay apart); past [`MAX_OPEN`] open batches the
+//!   oldest is recorded;
 //! - when anything else records an access to a Var the batch names, or waits
 //!   for one (`TaskBuilder::declare` and the blockers check the Var's `held`
 //!   count, see `graph/mod.rs`);
 //! - at every barrier (`wait_all`, the end of the engine, DOT export).
 //!
+//! Which values the node writes is decided when the batch is recorded: those
+//! the program still holds. On a GPU the node pushes the ops into the
+//! device's fusion group (`fusion.rs`); on the CPU it runs them in record
+//! order with the CPU kernels ([`run_on_cpu`]), computing only the ops whose
+//! value is written or read by another op it computes.
+//!
 //! So a chain of elementwise ops costs one engine node per 256 ops instead
 //! of one per op, and the ops that fuse into a kernel are fixed when they are
 //! recorded, not by which worker ran what first: Async mode forms the same
-//! groups as Lazy mode.
+//! groups as Lazy mode. The node counts once per op in the engine's live
+//! count (`TaskBuilder::weight`), so backpressure bounds ops, not nodes.
 //!
 //! A batch holds its lock while it records its node, and lowers the `held`
 //! counts of its Vars only afterwards, so whoever sees a Var held and closes

@@ -138,6 +138,8 @@ pub(crate) struct Fuser {
     /// Generated sources by the structure of their kernel (see [`structure`]):
     /// a group of a known structure skips generating its WGSL.
     sources: HashMap<Vec<u32>, std::sync::Arc<str>>,
+    /// Ops the next group is made room for (a batch's length; else grown).
+    expect_ops: usize,
 }
 
 /// Strides (in elements) that read a tensor of `shape` at each index of `out`
@@ -203,9 +205,10 @@ impl Fuser {
         if !self.fits(gpu, dims, inputs.len()) {
             self.encode_group(gpu);
         }
+        let expect = self.expect_ops;
         let group = self.group.get_or_insert_with(|| Group {
             dims: dims.to_vec(),
-            ops: Vec::new(),
+            ops: Vec::with_capacity(expect),
             leaves: Vec::new(),
             leaf_ids: HashMap::default(),
             outputs: HashMap::default(),
@@ -281,7 +284,7 @@ impl Fuser {
         gpu.check_lost()?;
         // The data each op reads, to find the values a later part of the
         // batch needs when the group is split (see below).
-        let reads: Vec<Vec<usize>> = ops
+        let reads: Vec<SmallVec<[usize; 2]>> = ops
             .iter()
             .map(|op| {
                 op.inputs
@@ -295,6 +298,7 @@ impl Fuser {
             .collect();
         gpu.with_deferred(|fuser: &mut Fuser| {
             fuser.encode_group(gpu);
+            fuser.expect_ops = ops.len();
             for (at, op) in ops.into_iter().enumerate() {
                 // The batch decided which values are written for the whole
                 // batch; when the group must be encoded before this op (the
@@ -320,6 +324,7 @@ impl Fuser {
             // batch it goes into names these ops), not by whatever encodes
             // next on the device.
             fuser.encode_group(gpu);
+            fuser.expect_ops = 0;
             Ok(())
         })
     }
