@@ -167,7 +167,11 @@ impl DeviceBatch {
     /// The batches of `gpu` (device `device` of `engine`), made on first
     /// use; `None` if the device's slot holds something else (then ops are
     /// recorded one node each).
-    pub(crate) fn of(engine: &Engine, gpu: &Arc<Gpu>, device: Device) -> Option<Arc<DeviceBatch>> {
+    pub(crate) fn of<'g>(
+        engine: &Engine,
+        gpu: &'g Arc<Gpu>,
+        device: Device,
+    ) -> Option<&'g DeviceBatch> {
         let slot = gpu.frontend.get_or_init(|| {
             let b = Arc::new(DeviceBatch {
                 backend: Backend::Gpu(Arc::downgrade(gpu)),
@@ -177,11 +181,11 @@ impl DeviceBatch {
             engine.shared().add_batches(b.clone());
             b
         });
-        slot.clone().downcast::<DeviceBatch>().ok()
+        slot.downcast_ref::<DeviceBatch>()
     }
 
     /// The batches of `engine`'s CPU device, made on first use.
-    pub(crate) fn cpu(engine: &Engine) -> Option<Arc<DeviceBatch>> {
+    pub(crate) fn cpu(engine: &Engine) -> Option<&DeviceBatch> {
         let slot = engine.shared().cpu_frontend.get_or_init(|| {
             let b = Arc::new(DeviceBatch {
                 backend: Backend::Cpu,
@@ -191,7 +195,7 @@ impl DeviceBatch {
             engine.shared().add_batches(b.clone());
             b
         });
-        slot.clone().downcast::<DeviceBatch>().ok()
+        slot.downcast_ref::<DeviceBatch>()
     }
 
     /// Adds `out = op(inputs)` (shape `dims`) to the batch, recording the
