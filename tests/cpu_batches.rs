@@ -183,3 +183,46 @@ fn backpressure_bounds_the_ops_of_batches_too() {
     assert!(s.peak_live_nodes <= 1_000, "{s:?}");
     assert!(s.backpressure_stalls > 0, "{s:?}");
 }
+
+#[test]
+fn a_frontend_stalled_by_backpressure_never_blocks_a_task_that_records_ops() {
+    // The frontend fills batches under a small bound while tasks on the
+    // workers record elementwise ops of their own into the same engine. A
+    // frontend that stalled while holding the batches would wait for those
+    // tasks, and they for the batches.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let e = Engine::builder()
+            .mode(Mode::Lazy)
+            .workers(2)
+            .backpressure(300, 0)
+            .build()
+            .unwrap();
+        let x = Tensor::ones_in(&e, [2]);
+        let total = e.var(0.0f32);
+        for round in 0..20 {
+            let mut t = e.task("records ops");
+            let w = t.write(&total);
+            let inner = e.clone();
+            t.push(move || {
+                let mut y = Tensor::ones_in(&inner, [2]);
+                for _ in 0..300 {
+                    y = &y + 1.0;
+                }
+                *w.write() += y.to_vec().unwrap()[0];
+            })
+            .unwrap();
+            let mut acc = x.clone();
+            for _ in 0..600 {
+                acc = &acc + &x;
+            }
+            assert_eq!(acc.to_vec().unwrap(), vec![601.0; 2], "round {round}");
+        }
+        let got = total.get().unwrap();
+        done.send(got).unwrap();
+    });
+    let got = finished
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("the program finished within a minute");
+    assert_eq!(got, 20.0 * 301.0);
+}

@@ -337,6 +337,27 @@ pub(crate) struct Shared {
     pub(crate) cpu_frontend: OnceLock<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
 }
 
+thread_local! {
+    /// Set while this thread records under a lock that a task's own records
+    /// may need (a record-time batch's): no stall there, or the tasks the
+    /// stall waits for could wait for that lock. The caller throttles before
+    /// taking the lock instead.
+    static STALL_HELD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with backpressure stalls held off on this thread (see
+/// `STALL_HELD`).
+pub(crate) fn without_stalls<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            STALL_HELD.with(|h| h.set(self.0));
+        }
+    }
+    let _reset = Reset(STALL_HELD.with(|h| h.replace(true)));
+    f()
+}
+
 /// Record-time batches of the tensor layer, as the engine closes them.
 pub(crate) trait Batches: Send + Sync {
     /// Records the open batch, if any, as a node of `engine`.
@@ -875,9 +896,8 @@ impl Shared {
         // A node of several ops stalls where it would cross the high mark,
         // unless the graph is already down to the low mark (one batch may
         // weigh more than a small bound).
-        let now = self.live.load(Ordering::Relaxed);
-        if now + weight > self.config.high && now > self.resume_at && !self.on_worker() {
-            self.backpressure();
+        if !STALL_HELD.with(|h| h.get()) {
+            self.throttle(weight);
         }
         let live = self.live.fetch_add(weight, Ordering::SeqCst) + weight;
         if live > self.peak_live.load(Ordering::Relaxed) {
@@ -912,6 +932,19 @@ impl Shared {
             self.wait_for(std::iter::once(node.clone()).collect())?;
         }
         Ok(node)
+    }
+
+    /// Stalls a frontend until `weight` more ops fit under the backpressure
+    /// bound (in Lazy mode it first demands everything recorded). A node of
+    /// several ops stalls where it would cross the high mark, unless the
+    /// graph is already down to the low mark (one batch may weigh more than a
+    /// small bound). Never on a worker.
+    #[inline]
+    pub(crate) fn throttle(&self, weight: usize) {
+        let now = self.live.load(Ordering::Relaxed);
+        if now + weight > self.config.high && now > self.resume_at && !self.on_worker() {
+            self.backpressure();
+        }
     }
 
     /// Demands `roots` and their unfinished ancestors and hands out the ready

@@ -219,6 +219,11 @@ impl DeviceBatch {
         if foreign {
             return Err(crate::error::Error::EngineMismatch { op: name, location });
         }
+        // A batch is recorded under the lock, where it must not stall (a
+        // task recording ops of its own would wait for the lock, and the
+        // stall for the task): the frontend waits here instead, until a full
+        // batch fits under the bound.
+        engine.shared().throttle(MAX_OPS);
         let mut batches = lock(&self.open);
         // The op joins the batch that computes one of its inputs (merging
         // them when several do), or starts a batch of its own: a batch holds
@@ -303,8 +308,13 @@ impl DeviceBatch {
     }
 
     /// Records a batch as one node (nothing if it is empty), then lets go
-    /// of its Vars.
+    /// of its Vars. Never stalls at the backpressure bound (see
+    /// [`DeviceBatch::push`]).
     fn record(&self, engine: &Engine, open: Open) {
+        crate::engine::without_stalls(|| self.record_node(engine, open));
+    }
+
+    fn record_node(&self, engine: &Engine, open: Open) {
         if open.ops.is_empty() {
             for (var, _, _) in &open.vars {
                 var.queue().release();
