@@ -467,7 +467,12 @@ fn run_on_cpu(
                 match (input, guard) {
                     (Operand::Tensor(..), Some(g)) => values.push(g.host()?),
                     (Operand::Tensor(_, _, place), None) => {
-                        values.push(local[*place].as_deref().unwrap_or(&[]))
+                        values.push(local[*place].as_deref().ok_or_else(|| {
+                            format!(
+                                "internal error: {} at {} reads a value its batch did not compute",
+                                op.name, op.location
+                            )
+                        })?)
                     }
                     (Operand::Scalar(_), _) => {}
                 }
