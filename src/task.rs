@@ -144,9 +144,7 @@ impl<'e> TaskBuilder<'e> {
         read: bool,
         write: bool,
     ) {
-        if !var.engine().same(self.engine) {
-            self.mismatch = true;
-        }
+        self.check_engine(var);
         let key = var.queue().key();
         match self
             .vars
@@ -171,10 +169,15 @@ impl<'e> TaskBuilder<'e> {
         read: bool,
         write: bool,
     ) {
+        self.check_engine(var);
+        self.vars.push((var.tracked(), read, write));
+    }
+
+    /// Notes a Var of another engine (the record then fails).
+    fn check_engine<T>(&mut self, var: &Var<T>) {
         if !var.engine().same(self.engine) {
             self.mismatch = true;
         }
-        self.vars.push((var.tracked(), read, write));
     }
 
     /// Records the task and returns a handle to wait on. In [`Mode::Sync`] the task

@@ -172,24 +172,28 @@ impl DeviceBatch {
         gpu: &'g Arc<Gpu>,
         device: Device,
     ) -> Option<&'g DeviceBatch> {
-        let slot = gpu.frontend.get_or_init(|| {
-            let b = Arc::new(DeviceBatch {
-                backend: Backend::Gpu(Arc::downgrade(gpu)),
-                device,
-                open: Mutex::new(Vec::new()),
-            });
-            engine.shared().add_batches(b.clone());
-            b
-        });
-        slot.downcast_ref::<DeviceBatch>()
+        let backend = || Backend::Gpu(Arc::downgrade(gpu));
+        DeviceBatch::in_slot(&gpu.frontend, engine, backend, device)
     }
 
     /// The batches of `engine`'s CPU device, made on first use.
     pub(crate) fn cpu(engine: &Engine) -> Option<&DeviceBatch> {
-        let slot = engine.shared().cpu_frontend.get_or_init(|| {
+        let slot = &engine.shared().cpu_frontend;
+        DeviceBatch::in_slot(slot, engine, || Backend::Cpu, Device::Cpu)
+    }
+
+    /// The batches a device keeps in `slot`, made (and registered with the
+    /// engine's barriers) on first use.
+    fn in_slot<'s>(
+        slot: &'s std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
+        engine: &Engine,
+        backend: impl FnOnce() -> Backend,
+        device: Device,
+    ) -> Option<&'s DeviceBatch> {
+        let slot = slot.get_or_init(|| {
             let b = Arc::new(DeviceBatch {
-                backend: Backend::Cpu,
-                device: Device::Cpu,
+                backend: backend(),
+                device,
                 open: Mutex::new(Vec::new()),
             });
             engine.shared().add_batches(b.clone());
