@@ -226,3 +226,20 @@ fn a_frontend_stalled_by_backpressure_never_blocks_a_task_that_records_ops() {
         .expect("the program finished within a minute");
     assert_eq!(got, 20.0 * 301.0);
 }
+
+#[test]
+fn open_batches_are_recorded_when_the_engine_handle_goes() {
+    for mode in [Mode::Lazy, Mode::Async] {
+        let (y, z) = {
+            let e = engine(mode);
+            let x = Tensor::from_vec_in(&e, vec![1.0, 2.0], [2]).unwrap();
+            let y = &x * 10.0;
+            let z = (&y + 1.0).neg();
+            (y, z)
+        };
+        // The last `Engine` handle is gone; the tensors still read their
+        // values.
+        assert_eq!(y.to_vec().unwrap(), vec![10.0, 20.0], "{mode:?}");
+        assert_eq!(z.to_vec().unwrap(), vec![-11.0, -21.0], "{mode:?}");
+    }
+}
