@@ -564,8 +564,9 @@ impl Engine {
         }
     }
 
-    /// Kernels dispatched so far on a GPU device (0 for the CPU, whose nodes
-    /// are counted in [`Stats::completed`]).
+    /// Kernels dispatched so far on a GPU device (0 for the CPU, whose ops
+    /// are counted in [`Stats::completed`], less [`Stats::elided_ops`] for
+    /// the ops of record-time batches that were never computed).
     pub fn kernels_dispatched(&self, device: Device) -> u64 {
         match device {
             Device::Gpu(i) => self.shared().gpus().get(i).map_or(0, |g| {
