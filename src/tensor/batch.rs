@@ -34,7 +34,7 @@
 //! the batches waits until the node is in the graph.
 
 use super::fusion::{record_order, BatchOp, Dims, ElemOp, Fuser, Input, MAX_OPS};
-use super::Data;
+use super::{Data, Tensor};
 use crate::device::gpu::Gpu;
 use crate::device::Device;
 use crate::engine::{Batches, Engine};
@@ -47,11 +47,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// them, and unrelated ops each start one.
 const MAX_OPEN: usize = 16;
 
-/// An operand of an op as it joins a batch.
+/// An operand of an elementwise op as it is recorded (into a batch, or as a
+/// node of its own in Sync mode).
 pub(crate) enum Arg<'a> {
-    /// A tensor's Var, and its shape.
-    Tensor(&'a Var<Data>, Dims),
-    /// A constant.
+    Tensor(&'a Tensor),
     Scalar(f32),
 }
 
@@ -212,12 +211,12 @@ impl DeviceBatch {
         location: Location,
         dims: Dims,
         op: ElemOp,
-        inputs: SmallVec<[Arg<'_>; 2]>,
+        inputs: &[Arg<'_>],
         out: &Var<Data>,
     ) -> crate::error::Result<()> {
         // A Var of another engine: the error a task naming it gets.
         let foreign = inputs.iter().any(|arg| match arg {
-            Arg::Tensor(var, _) => !var.engine().same(engine),
+            Arg::Tensor(t) => !t.var.engine().same(engine),
             Arg::Scalar(_) => false,
         });
         if foreign {
@@ -239,7 +238,7 @@ impl DeviceBatch {
         let mut hits: SmallVec<[usize; 2]> = SmallVec::new();
         for (b, open) in batches.iter().enumerate() {
             let computes = inputs.iter().any(|arg| match arg {
-                Arg::Tensor(var, _) => open.computes(var),
+                Arg::Tensor(t) => open.computes(&t.var),
                 Arg::Scalar(_) => false,
             });
             if computes {
@@ -251,7 +250,7 @@ impl DeviceBatch {
         let covering = || {
             (0..batches.len()).find(|&b| {
                 inputs.iter().all(|arg| match arg {
-                    Arg::Tensor(var, _) => batches[b].place(var).is_some(),
+                    Arg::Tensor(t) => batches[b].place(&t.var).is_some(),
                     Arg::Scalar(_) => true,
                 })
             })
@@ -290,11 +289,11 @@ impl DeviceBatch {
         let mut operands: SmallVec<[Operand; 2]> = SmallVec::new();
         for arg in inputs {
             operands.push(match arg {
-                Arg::Tensor(var, shape) => {
-                    let place = open.note(var, true, false);
-                    Operand::Tensor(var.read_token(), shape, place)
+                Arg::Tensor(t) => {
+                    let place = open.note(&t.var, true, false);
+                    Operand::Tensor(t.var.read_token(), Dims::from_slice(t.dims()), place)
                 }
-                Arg::Scalar(s) => Operand::Scalar(s),
+                Arg::Scalar(s) => Operand::Scalar(*s),
             });
         }
         let out_var = open.note(out, false, true);
@@ -319,13 +318,26 @@ impl DeviceBatch {
     }
 
     fn record_node(&self, engine: &Engine, open: Open) {
-        if open.ops.is_empty() {
-            for (var, _, _) in &open.vars {
-                var.queue().release();
-            }
-            return;
-        }
         let Open { ops, vars, .. } = open;
+        if !ops.is_empty() {
+            self.record_ops(engine, ops, &vars);
+        }
+        for (var, _, _) in &vars {
+            var.queue().release();
+        }
+    }
+
+    /// Records `ops`, which name `vars`, as one node.
+    fn record_ops(&self, engine: &Engine, ops: Vec<Op>, vars: &[(Var<Data>, bool, bool)]) {
+        let gpu = match &self.backend {
+            Backend::Cpu => None,
+            Backend::Gpu(gpu) => match gpu.upgrade() {
+                Some(gpu) => Some(gpu),
+                // The engine's devices are gone with it: nothing can read
+                // these.
+                None => return,
+            },
+        };
         engine
             .counters()
             .batches
@@ -339,37 +351,18 @@ impl DeviceBatch {
             .iter()
             .map(|op| vars[op.out_var].0.handles() > 1)
             .collect();
-        let gpu = match &self.backend {
-            Backend::Cpu => {
-                let mut t = engine.task_at(ops[0].name, ops[0].location);
-                t.device(self.device);
-                for (var, read, write) in &vars {
-                    t.declare_distinct(var, *read, *write);
-                }
-                t.weight(ops.len() as u32);
-                let places = vars.len();
-                let counters = engine.counters().clone();
-                let _ = t.push_fallible(move || run_on_cpu(ops, keep, places, &counters));
-                for (var, _, _) in &vars {
-                    var.queue().release();
-                }
-                return;
-            }
-            Backend::Gpu(gpu) => gpu.upgrade(),
-        };
-        let Some(gpu) = gpu else {
-            // The engine's devices are gone with it: nothing can read these.
-            for (var, _, _) in &vars {
-                var.queue().release();
-            }
-            return;
-        };
         let mut t = engine.task_at(ops[0].name, ops[0].location);
         t.device(self.device).weight(ops.len() as u32);
         // Distinct: `Open::note` names each Var once.
-        for (var, read, write) in &vars {
+        for (var, read, write) in vars {
             t.declare_distinct(var, *read, *write);
         }
+        let Some(gpu) = gpu else {
+            let places = vars.len();
+            let counters = engine.counters().clone();
+            let _ = t.push_fallible(move || run_on_cpu(ops, keep, places, &counters));
+            return;
+        };
         let pending = gpu.expect_node();
         // The node's failure (a lost device, say) poisons every Var it
         // writes; a failure inside names the op that met it.
@@ -404,9 +397,6 @@ impl DeviceBatch {
             drop(pending);
             Ok(())
         });
-        for (var, _, _) in &vars {
-            var.queue().release();
-        }
     }
 }
 

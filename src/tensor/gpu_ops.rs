@@ -19,11 +19,7 @@ type FusedToken = (
     f32,
 );
 
-/// An operand of a fused op at record time.
-enum Operand<'t> {
-    Tensor(&'t Tensor),
-    Scalar(f32),
-}
+use super::batch::Arg;
 use crate::error::{Error, Location, Result};
 use std::sync::Arc;
 
@@ -397,7 +393,7 @@ impl Tensor {
         location: Location,
         out_shape: Shape,
         op: ElemOp,
-        inputs: smallvec::SmallVec<[Operand<'_>; 2]>,
+        inputs: &[Arg<'_>],
     ) -> Result<Tensor> {
         check_size(&gpu, name, &out_shape, location)?;
         let dims: super::fusion::Dims = super::fusion::Dims::from_slice(out_shape.dims());
@@ -410,25 +406,16 @@ impl Tensor {
         if let Some(batches) = batches {
             // One node per batch of ops, recorded when something else needs
             // them (see `batch.rs`).
-            let operands = inputs
-                .iter()
-                .map(|i| match i {
-                    Operand::Tensor(x) => {
-                        super::batch::Arg::Tensor(&x.var, super::fusion::Dims::from_slice(x.dims()))
-                    }
-                    Operand::Scalar(s) => super::batch::Arg::Scalar(*s),
-                })
-                .collect();
-            batches.push(self.engine(), name, location, dims, op, operands, &out.var)?;
+            batches.push(self.engine(), name, location, dims, op, inputs, &out.var)?;
             return Ok(out);
         }
         let mut t = self.engine().task_at(name, location);
         t.device(self.device);
         let mut tokens: Vec<FusedToken> = Vec::new();
         let mut self_token: Option<crate::var::Read<Data>> = None;
-        for input in &inputs {
+        for input in inputs {
             match input {
-                Operand::Tensor(x) => {
+                Arg::Tensor(x) => {
                     let token = if x.same_data(self) {
                         match &self_token {
                             Some(s) => s.duplicate(),
@@ -448,7 +435,7 @@ impl Tensor {
                         0.0,
                     ));
                 }
-                Operand::Scalar(s) => tokens.push((None, None, *s)),
+                Arg::Scalar(s) => tokens.push((None, None, *s)),
             }
         }
         let o = t.write(&out.var);
@@ -484,8 +471,8 @@ impl Tensor {
     ) -> Result<Tensor> {
         let name = op.name();
         if gpu.fusion {
-            let inputs = smallvec::smallvec![Operand::Tensor(self), Operand::Tensor(other)];
-            return self.gpu_fused(gpu, name, location, out_shape, ElemOp::Binary(op), inputs);
+            let inputs = [Arg::Tensor(self), Arg::Tensor(other)];
+            return self.gpu_fused(gpu, name, location, out_shape, ElemOp::Binary(op), &inputs);
         }
         check_size(&gpu, name, &out_shape, location)?;
         let info = broadcast_info(&self.shape, &other.shape, &out_shape);
@@ -886,13 +873,13 @@ impl Tensor {
     ) -> Tensor {
         if gpu.fusion {
             let inputs = if scalar_left {
-                smallvec::smallvec![Operand::Scalar(s), Operand::Tensor(self)]
+                [Arg::Scalar(s), Arg::Tensor(self)]
             } else {
-                smallvec::smallvec![Operand::Tensor(self), Operand::Scalar(s)]
+                [Arg::Tensor(self), Arg::Scalar(s)]
             };
             let shape = self.shape.clone();
             return self
-                .gpu_fused(gpu, op.name(), location, shape, ElemOp::Binary(op), inputs)
+                .gpu_fused(gpu, op.name(), location, shape, ElemOp::Binary(op), &inputs)
                 .unwrap_or_else(|e| self.poisoned(e));
         }
         let expr = if scalar_left {
@@ -913,7 +900,7 @@ impl Tensor {
                     location,
                     shape,
                     ElemOp::Unary(op),
-                    smallvec::smallvec![Operand::Tensor(self)],
+                    &[Arg::Tensor(self)],
                 )
                 .unwrap_or_else(|e| self.poisoned(e));
         }

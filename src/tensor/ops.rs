@@ -9,7 +9,7 @@ use super::{Data, Shape, Tensor};
 /// The largest elementwise CPU op, in elements, that joins a record-time
 /// batch in Lazy and Async mode.
 ///
-/// Up to this size a node's fixed cost (about a microsecond) outweighs the op,
+/// Up to this size a node's fixed cost (hundreds of nanoseconds) outweighs the op,
 /// so an elementwise op on the CPU (`+`, `exp`, `relu`, ...) joins an open
 /// batch of connected ops instead of taking a node: the batch runs up to 256
 /// ops as one node, in record order, and computes only the values something
@@ -191,13 +191,13 @@ impl Tensor {
     /// (`batch.rs`) and returns its output; `None` where it takes a node of
     /// its own: in Sync mode, and for outputs above [`CPU_BATCH_MAX`]
     /// elements.
-    fn cpu_batched<'a>(
-        &'a self,
+    fn cpu_batched(
+        &self,
         name: &'static str,
         location: Location,
         shape: &Shape,
         op: ElemOp,
-        inputs: impl FnOnce() -> smallvec::SmallVec<[Arg<'a>; 2]>,
+        inputs: &[Arg<'_>],
     ) -> Option<Result<Tensor>> {
         if self.device != Device::Cpu
             || shape.numel() > CPU_BATCH_MAX
@@ -210,7 +210,7 @@ impl Tensor {
         let dims = Dims::from_slice(shape.dims());
         Some(
             batches
-                .push(self.engine(), name, location, dims, op, inputs(), &out.var)
+                .push(self.engine(), name, location, dims, op, inputs, &out.var)
                 .map(|()| out),
         )
     }
@@ -378,12 +378,8 @@ impl Tensor {
         if let Some(gpu) = self.gpu(name, location)? {
             return self.gpu_binary(gpu, other, op, out_shape, location);
         }
-        let batched = self.cpu_batched(name, location, &out_shape, ElemOp::Binary(op), || {
-            smallvec::smallvec![
-                Arg::Tensor(&self.var, Dims::from_slice(self.dims())),
-                Arg::Tensor(&other.var, Dims::from_slice(other.dims())),
-            ]
-        });
+        let inputs = [Arg::Tensor(self), Arg::Tensor(other)];
+        let batched = self.cpu_batched(name, location, &out_shape, ElemOp::Binary(op), &inputs);
         if let Some(out) = batched {
             return out;
         }
@@ -410,15 +406,18 @@ impl Tensor {
             Ok(None) => {}
             Err(e) => return self.poisoned(e),
         }
-        let batched =
-            self.cpu_batched(op.name(), location, &self.shape, ElemOp::Binary(op), || {
-                let x = Arg::Tensor(&self.var, Dims::from_slice(self.dims()));
-                if scalar_left {
-                    smallvec::smallvec![Arg::Scalar(s), x]
-                } else {
-                    smallvec::smallvec![x, Arg::Scalar(s)]
-                }
-            });
+        let inputs = if scalar_left {
+            [Arg::Scalar(s), Arg::Tensor(self)]
+        } else {
+            [Arg::Tensor(self), Arg::Scalar(s)]
+        };
+        let batched = self.cpu_batched(
+            op.name(),
+            location,
+            &self.shape,
+            ElemOp::Binary(op),
+            &inputs,
+        );
         if let Some(out) = batched {
             return out.unwrap_or_else(|e| self.poisoned(e));
         }
@@ -442,9 +441,9 @@ impl Tensor {
             Ok(None) => {}
             Err(e) => return self.poisoned(e),
         }
-        let batched = self.cpu_batched(op.name(), location, &self.shape, ElemOp::Unary(op), || {
-            smallvec::smallvec![Arg::Tensor(&self.var, Dims::from_slice(self.dims()))]
-        });
+        let inputs = [Arg::Tensor(self)];
+        let batched =
+            self.cpu_batched(op.name(), location, &self.shape, ElemOp::Unary(op), &inputs);
         if let Some(out) = batched {
             return out.unwrap_or_else(|e| self.poisoned(e));
         }
