@@ -385,62 +385,35 @@ pub(crate) fn record<J>(
         dep_refs.push(d.clone());
     }
     let hold = deps.len() as u32 + RECORDING + if demanded { 0 } else { UNDEMANDED };
-    let reusable = spare.and_then(|mut n| match Arc::get_mut(&mut n) {
-        Some(slot) if slot.done.load(Ordering::Relaxed) => Some(n),
-        _ => None,
-    });
-    let node = match reusable {
-        // Reset in place, field by field: cheaper than building a node and
-        // moving it over the old one (which drops every old field first).
-        Some(mut n) => {
-            let slot = Arc::get_mut(&mut n).expect("checked above");
-            slot.meta = meta;
-            slot.pending = AtomicU32::new(hold);
-            slot.demanded = AtomicBool::new(demanded);
-            slot.done = AtomicBool::new(false);
-            slot.has_waiters = AtomicBool::new(false);
-            slot.failed = AtomicBool::new(false);
-            slot.writes = writes;
-            slot.dep_keys = dep_keys;
-            #[cfg(not(loom))]
-            let state = match slot.state.get_mut() {
-                Ok(s) => s,
-                Err(p) => p.into_inner(),
-            };
-            #[cfg(loom)]
-            let mut state = lock(&slot.state);
-            state.closed = false;
-            state.job = Some(job);
-            state.spent = None;
-            state.skip = skip;
-            state.err = None;
-            state.deps = dep_refs;
-            state.dependents.clear();
-            state.waiters.clear();
-            #[cfg(loom)]
-            drop(state);
-            n
-        }
-        None => Arc::new(Node {
-            meta,
-            pending: AtomicU32::new(hold),
-            demanded: AtomicBool::new(demanded),
-            done: AtomicBool::new(false),
-            has_waiters: AtomicBool::new(false),
-            failed: AtomicBool::new(false),
-            writes,
-            dep_keys,
-            state: Mutex::new(State {
-                closed: false,
-                job: Some(job),
-                spent: None,
-                skip,
-                err: None,
-                deps: dep_refs,
-                dependents: SmallVec::new(),
-                waiters: SmallVec::new(),
-            }),
+    let fresh = Node {
+        meta,
+        pending: AtomicU32::new(hold),
+        demanded: AtomicBool::new(demanded),
+        done: AtomicBool::new(false),
+        has_waiters: AtomicBool::new(false),
+        failed: AtomicBool::new(false),
+        writes,
+        dep_keys,
+        state: Mutex::new(State {
+            closed: false,
+            job: Some(job),
+            spent: None,
+            skip,
+            err: None,
+            deps: dep_refs,
+            dependents: SmallVec::new(),
+            waiters: SmallVec::new(),
         }),
+    };
+    let node = match spare {
+        Some(mut n) => match Arc::get_mut(&mut n) {
+            Some(slot) if slot.done.load(Ordering::Relaxed) => {
+                *slot = fresh;
+                n
+            }
+            _ => Arc::new(fresh),
+        },
+        None => Arc::new(fresh),
     };
     for (a, v) in accesses.iter().zip(guards.iter_mut()) {
         if a.write {
@@ -486,13 +459,6 @@ pub(crate) fn reclaim<J>(mut spare: NodeRef<J>) -> Option<(NodeRef<J>, Option<J>
     if !node.done.load(Ordering::Relaxed) {
         return None;
     }
-    // Nobody else can reach the node: its state needs no lock.
-    #[cfg(not(loom))]
-    let spent = match node.state.get_mut() {
-        Ok(s) => s.spent.take(),
-        Err(p) => p.into_inner().spent.take(),
-    };
-    #[cfg(loom)]
     let spent = lock(&node.state).spent.take();
     Some((spare, spent))
 }
