@@ -328,7 +328,7 @@ pub(crate) struct Shared {
     life: Mutex<()>,
     /// GPU devices, opened on first use (opening one takes tens of milliseconds).
     gpus: OnceLock<Vec<std::sync::Arc<Gpu>>>,
-    /// Open record-time batches, one per GPU device that has had one (see
+    /// Open record-time batches, one set per device that has had one (see
     /// `tensor/batch.rs`): closed before anything touches a Var they name,
     /// and by every barrier.
     batches: Mutex<Vec<std::sync::Arc<dyn Batches>>>,
@@ -894,12 +894,7 @@ impl Shared {
     ) -> Result<NodeRef> {
         let mode = self.config.mode;
         let weight = meta.weight as usize;
-        // A node of several ops stalls where it would cross the high mark,
-        // unless the graph is already down to the low mark (one batch may
-        // weigh more than a small bound).
-        if !STALL_HELD.with(|h| h.get()) {
-            self.throttle(weight);
-        }
+        self.throttle(weight);
         let live = self.live.fetch_add(weight, Ordering::SeqCst) + weight;
         if live > self.peak_live.load(Ordering::Relaxed) {
             self.peak_live.fetch_max(live, Ordering::Relaxed);
@@ -939,11 +934,16 @@ impl Shared {
     /// bound (in Lazy mode it first demands everything recorded). A node of
     /// several ops stalls where it would cross the high mark, unless the
     /// graph is already down to the low mark (one batch may weigh more than a
-    /// small bound). Never on a worker.
+    /// small bound). Never on a worker, nor under a batch's lock (see
+    /// `STALL_HELD`).
     #[inline]
     pub(crate) fn throttle(&self, weight: usize) {
         let now = self.live.load(Ordering::Relaxed);
-        if now + weight > self.config.high && now > self.resume_at && !self.on_worker() {
+        if now + weight > self.config.high
+            && now > self.resume_at
+            && !self.on_worker()
+            && !STALL_HELD.with(|h| h.get())
+        {
             self.backpressure();
         }
     }

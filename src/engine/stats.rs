@@ -33,10 +33,10 @@ pub struct Stats {
     pub tracked_vars: usize,
     /// Elementwise CPU ops of record-time batches that were never computed:
     /// nothing could read their value when their batch was recorded (a
-    /// `y = x + 1` whose `y` was dropped, say). A batch counts as one node
-    /// per op it holds in `recorded`, `completed` and the live counts.
+    /// `y = x + 1` whose `y` was dropped, say).
     pub elided_ops: u64,
-    /// Record-time batches recorded, each as one node (see `elided_ops`).
+    /// Record-time batches recorded, each as one node (counted once per op
+    /// it holds in `recorded`).
     pub batches: u64,
 }
 
