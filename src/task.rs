@@ -39,8 +39,10 @@ pub struct TaskBuilder<'e> {
     eager: bool,
 }
 
-/// A Var a task names: its handle, whether it is read, whether it is written.
-type Declared = (Arc<dyn Tracked>, bool, bool);
+/// A Var a task names: its handle, the key of its queue (kept here: searching
+/// the Vars declared so far reads it without a call through the handle),
+/// whether it is read, whether it is written.
+type Declared = (Arc<dyn Tracked>, usize, bool, bool);
 
 /// A recorded task that can be waited on.
 #[derive(Clone)]
@@ -146,16 +148,12 @@ impl<'e> TaskBuilder<'e> {
     ) {
         self.check_engine(var);
         let key = var.queue().key();
-        match self
-            .vars
-            .iter_mut()
-            .find(|(v, _, _)| v.queue().key() == key)
-        {
-            Some((_, r, w)) => {
+        match self.vars.iter_mut().find(|(_, k, _, _)| *k == key) {
+            Some((_, _, r, w)) => {
                 *r |= read;
                 *w |= write;
             }
-            None => self.vars.push((var.tracked(), read, write)),
+            None => self.vars.push((var.tracked(), key, read, write)),
         }
     }
 
@@ -170,7 +168,7 @@ impl<'e> TaskBuilder<'e> {
         write: bool,
     ) {
         self.check_engine(var);
-        self.vars.push((var.tracked(), read, write));
+        self.vars.push((var.tracked(), var.queue().key(), read, write));
     }
 
     /// Notes a Var of another engine (the record then fails).
@@ -289,8 +287,8 @@ impl<'e> TaskBuilder<'e> {
                 location: self.meta.location,
             });
         }
-        let mut accesses = SmallVec::new();
-        for (v, read, write) in &self.vars {
+        let mut accesses = SmallVec::with_capacity(self.vars.len());
+        for (v, _, read, write) in &self.vars {
             accesses.push(Access {
                 var: v.queue(),
                 read: *read,

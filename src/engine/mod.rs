@@ -951,12 +951,15 @@ impl Shared {
     /// Demands `roots` and their unfinished ancestors and hands out the ready
     /// ones.
     fn demand(&self, roots: &[NodeRef]) {
-        let mut pushed = 0;
-        graph::demand(roots, &mut |r| {
-            self.pool.publish(r);
-            pushed += 1;
-        });
-        self.pool.wake(pushed);
+        graph::demand(roots, &mut |r| self.hand_out(r));
+    }
+
+    /// Publishes a node the demand walk found ready, and wakes a worker for it
+    /// at once: the walk of a large graph takes a while, and its first ready
+    /// nodes can run meanwhile.
+    fn hand_out(&self, node: NodeRef) {
+        self.pool.publish(node);
+        self.pool.wake(1);
     }
 
     /// Demands every node recorded so far (Lazy mode).
@@ -965,14 +968,9 @@ impl Shared {
         if self.config.mode != Mode::Lazy {
             return;
         }
-        let mut pushed = 0;
         self.undemanded.for_each(|nodes| {
-            graph::demand(nodes, &mut |r| {
-                self.pool.publish(r);
-                pushed += 1;
-            });
+            graph::demand(nodes, &mut |r| self.hand_out(r));
         });
-        self.pool.wake(pushed);
     }
 
     /// Completes a node that ran: releases its dependents (the first one is

@@ -344,16 +344,22 @@ pub(crate) fn record<J>(
     }
     // Plain pushes, not `collect`: this is the hot path of every record, and
     // the collects of a few elements cost more than the work itself.
-    let mut guards: SmallVec<[MutexGuard<'_, VarState<J>>; 4]> = SmallVec::new();
+    // Room made once: a node of many accesses (or dependencies) would otherwise
+    // grow each list by reallocation, which cost more than the rest of the record.
+    let mut guards: SmallVec<[MutexGuard<'_, VarState<J>>; 4]> =
+        SmallVec::with_capacity(accesses.len());
     let mut writes: SmallVec<[usize; 2]> = SmallVec::new();
+    let mut most_deps = 0;
     for a in accesses.iter() {
-        guards.push(lock(&a.var.inner));
+        let v = lock(&a.var.inner);
+        most_deps += 1 + if a.write { v.readers.len() } else { 0 };
+        guards.push(v);
         if a.write {
             writes.push(a.var.key());
         }
     }
 
-    let mut deps: SmallVec<[(NodeRef<J>, bool); 4]> = SmallVec::new();
+    let mut deps: SmallVec<[(NodeRef<J>, bool); 4]> = SmallVec::with_capacity(most_deps);
     let mut skip: Option<SharedError> = None;
     let add = |deps: &mut SmallVec<[(NodeRef<J>, bool); 4]>, d: &NodeRef<J>, reads: bool| match deps
         .iter_mut()
@@ -378,13 +384,18 @@ pub(crate) fn record<J>(
             }
         }
     }
-    let mut dep_keys: SmallVec<[usize; 2]> = SmallVec::new();
-    let mut dep_refs: SmallVec<[NodeRef<J>; 2]> = SmallVec::new();
-    for (d, _) in &deps {
+    // The references move into the node's list: the joins below reach the
+    // dependencies through it, so an edge costs one reference here and one in
+    // the dependency's list, not four changes of shared counts.
+    let mut dep_keys: SmallVec<[usize; 2]> = SmallVec::with_capacity(deps.len());
+    let mut dep_reads: SmallVec<[bool; 32]> = SmallVec::with_capacity(deps.len());
+    let mut dep_refs: SmallVec<[NodeRef<J>; 2]> = SmallVec::with_capacity(deps.len());
+    for (d, reads) in deps {
         dep_keys.push(d.key());
-        dep_refs.push(d.clone());
+        dep_reads.push(reads);
+        dep_refs.push(d);
     }
-    let hold = deps.len() as u32 + RECORDING + if demanded { 0 } else { UNDEMANDED };
+    let hold = dep_refs.len() as u32 + RECORDING + if demanded { 0 } else { UNDEMANDED };
     let fresh = Node {
         meta,
         pending: AtomicU32::new(hold),
@@ -432,19 +443,25 @@ pub(crate) fn record<J>(
 
     // Join each dependency's list, or count it out if it finished meanwhile
     // (its outcome is final then: a failed writer of an input skips the node).
+    // Under the node's own lock, taken before each dependency's: the only two
+    // state locks ever held at once, always newer node first (a dependency is
+    // older than its dependent: it was in a Var queue before the dependent's
+    // record began), so no two threads can wait for each other. A demand that
+    // reaches the node meanwhile waits for the lock and sees every dependency.
     let mut released = RECORDING;
-    for (d, reads) in deps {
-        let mut s = lock(&d.state);
-        if s.closed {
-            if reads && d.failed.load(Ordering::Relaxed) {
-                let mut mine = lock(&node.state);
-                if mine.skip.is_none() {
+    {
+        let mut mine = lock(&node.state);
+        let mine = &mut *mine;
+        for (d, &reads) in mine.deps.iter().zip(&dep_reads) {
+            let mut s = lock(&d.state);
+            if s.closed {
+                if reads && d.failed.load(Ordering::Relaxed) && mine.skip.is_none() {
                     mine.skip.clone_from(&s.err);
                 }
+                released += 1;
+            } else {
+                s.dependents.push((node.clone(), reads));
             }
-            released += 1;
-        } else {
-            s.dependents.push((node.clone(), reads));
         }
     }
     let ready = node.pending.fetch_sub(released, Ordering::AcqRel) == released;
@@ -467,15 +484,43 @@ pub(crate) fn reclaim<J>(mut spare: NodeRef<J>) -> Option<(NodeRef<J>, Option<J>
 /// out (through `ready`) those that are ready. Stops at nodes demanded before:
 /// a demanded node's dependencies are demanded too (by whoever demanded it),
 /// so each node is walked once over its life.
+///
+/// The roots are walked one after the other in the order given, each with
+/// what it waits for: given oldest first (the registry's order), the first
+/// nodes handed out can run while the walk goes on, instead of after it.
 pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(NodeRef<J>)) -> usize {
-    let mut stack: SmallVec<[NodeRef<J>; 16]> = roots.iter().cloned().collect();
+    let mut marked = 0;
+    let mut stack: SmallVec<[NodeRef<J>; 16]> = SmallVec::new();
+    for root in roots {
+        if !root.is_done() && !root.demanded.load(Ordering::Relaxed) {
+            stack.push(root.clone());
+            marked += demand_from(&mut stack, ready);
+        }
+    }
+    marked
+}
+
+/// The walk of [`demand`] from the nodes on `stack`.
+fn demand_from<J>(
+    stack: &mut SmallVec<[NodeRef<J>; 16]>,
+    ready: &mut impl FnMut(NodeRef<J>),
+) -> usize {
     let mut marked = 0;
     while let Some(n) = stack.pop() {
         if n.is_done() || n.demanded.swap(true, Ordering::AcqRel) {
             continue;
         }
         marked += 1;
-        stack.extend(lock(&n.state).deps.iter().filter(|d| !d.is_done()).cloned());
+        // Only what this walk has still to mark: a dependency demanded before
+        // (by this walk or another) needs no reference taken, and most of a
+        // node's dependencies are shared with its neighbours'.
+        stack.extend(
+            lock(&n.state)
+                .deps
+                .iter()
+                .filter(|d| !d.is_done() && !d.demanded.load(Ordering::Relaxed))
+                .cloned(),
+        );
         if n.pending.fetch_sub(UNDEMANDED, Ordering::AcqRel) == UNDEMANDED {
             ready(n);
         }
