@@ -180,6 +180,9 @@ fn a_wait_cycle_across_threads_is_refused_not_hung() {
         let (a, b, y) = (engine.var(0u32), engine.var(0u32), engine.var(0u32));
         let started1 = Arc::new(AtomicBool::new(false));
         let started3 = Arc::new(AtomicBool::new(false));
+        // t3 must wait on `b` only once t4 (its writer) is recorded; before that
+        // `b` has no pending write and the wait would return at once.
+        let recorded4 = Arc::new(AtomicBool::new(false));
         let results = Arc::new(std::sync::Mutex::new((None, None)));
 
         let mut t1 = engine.task("t1");
@@ -200,16 +203,18 @@ fn a_wait_cycle_across_threads_is_refused_not_hung() {
 
         let mut t3 = engine.task("t3");
         let wy = t3.write(&y);
-        let (b3, s1, s3, res) = (
+        let (b3, s1, s3, r4, res) = (
             b.clone(),
             started1.clone(),
             started3.clone(),
+            recorded4.clone(),
             results.clone(),
         );
         t3.run(move || {
             *wy.write() = 3;
             s3.store(true, Ordering::SeqCst);
             assert!(wait_flag(&s1, 10));
+            assert!(wait_flag(&r4, 10));
             res.lock().unwrap().1 = Some(b3.wait_to_read());
         })
         .unwrap();
@@ -217,6 +222,7 @@ fn a_wait_cycle_across_threads_is_refused_not_hung() {
         let mut t4 = engine.task("t4");
         let (ra, wb) = (t4.read(&a), t4.write(&b));
         t4.run(move || *wb.write() = *ra.read() + 40).unwrap();
+        recorded4.store(true, Ordering::SeqCst);
 
         engine.wait_all().unwrap();
         let (r1, r3) = results.lock().unwrap().clone();
