@@ -168,7 +168,8 @@ impl<'e> TaskBuilder<'e> {
         write: bool,
     ) {
         self.check_engine(var);
-        self.vars.push((var.tracked(), var.queue().key(), read, write));
+        self.vars
+            .push((var.tracked(), var.queue().key(), read, write));
     }
 
     /// Notes a Var of another engine (the record then fails).

@@ -1,12 +1,12 @@
 //! Vars: typed data whose accesses the engine orders.
 //!
-//! A [`Var`] is a handle. The data lives in a shared storage that tasks reach
-//! through access tokens ([`Read`], [`Write`]) handed out when the task is
-//! recorded; the engine guarantees that a token is only used while its access is
+//! A [`Var`] is a handle to one allocation holding the Var's access queue and
+//! its data; tasks reach the data through access tokens ([`Read`], [`Write`])
+//! handed out when the task is recorded; the engine guarantees that a token is only used while its access is
 //! the one the dependency graph allows, so the lock inside is never contended by
 //! correctly recorded tasks (it is there so that a mistake is a wait, not a race).
 
-use crate::engine::{Counters, Engine, Tracked, VarQueue};
+use crate::engine::{Engine, Tracked, VarQueue};
 use crate::error::{Result, SharedError};
 use crate::sync::Ordering;
 // std, not `crate::sync`: handles are type-erased (`Arc<dyn KeepAlive>`), which
@@ -32,56 +32,60 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 /// assert_eq!(counter.get().unwrap(), 3);
 /// ```
 pub struct Var<T> {
-    inner: Arc<VarHandle<T>>,
+    inner: Arc<Storage<T>>,
 }
 
 impl<T> Clone for Var<T> {
     fn clone(&self) -> Self {
+        self.inner.handles.fetch_add(1, Ordering::Relaxed);
         Var {
             inner: self.inner.clone(),
         }
     }
 }
 
-struct VarHandle<T> {
-    /// The Var's access queue in the dependency graph.
-    queue: VarQueue,
-    engine: Engine,
-    storage: Arc<Storage<T>>,
-    /// Writes recorded so far (see [`Var::version`]).
-    version: std::sync::atomic::AtomicU64,
+impl<T> Drop for Var<T> {
+    fn drop(&mut self) {
+        // Release: the handle's last use happens before a thread that sees the
+        // count at zero (the batch deciding a value is not kept) acts on it.
+        if self.inner.handles.fetch_sub(1, Ordering::Release) == 1 {
+            self.inner
+                .engine
+                .counters()
+                .tracked_vars
+                .fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
-impl<T: Send + Sync> Tracked for VarHandle<T> {
+/// A Var's queue and data in one allocation, reached by its handles and by
+/// the access tokens of its pending tasks; counted in
+/// [`crate::Stats::live_vars`] while it exists, and in
+/// [`crate::Stats::tracked_vars`] while handles are left.
+///
+/// One allocation per Var (not a handle and a separate block of data that
+/// outlives it): a Var is made for every op's output, and each allocation
+/// the frontend makes is freed on a worker (glibc's slow path).
+pub(crate) struct Storage<T> {
+    /// The Var's access queue in the dependency graph.
+    queue: VarQueue,
+    /// Uncounted: keeps the engine's memory, not its life. Every pending
+    /// task runs before an engine retires, so the tokens inside tasks let go.
+    engine: Engine,
+    /// Writes recorded so far (see [`Var::version`]).
+    version: std::sync::atomic::AtomicU64,
+    /// `Var` handles alive (tokens and task builders not counted).
+    handles: std::sync::atomic::AtomicUsize,
+    value: RwLock<T>,
+}
+
+impl<T: Send + Sync> Tracked for Storage<T> {
     fn queue(&self) -> &VarQueue {
         &self.queue
     }
 }
 
-impl<T> Drop for VarHandle<T> {
-    fn drop(&mut self) {
-        self.engine
-            .counters()
-            .tracked_vars
-            .fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// The data behind a Var; counted in [`crate::Stats::live_vars`].
-pub(crate) struct Storage<T> {
-    value: RwLock<T>,
-    counters: Arc<Counters>,
-}
-
 impl<T> Storage<T> {
-    fn new(value: T, counters: Arc<Counters>) -> Self {
-        counters.live_vars.fetch_add(1, Ordering::Relaxed);
-        Storage {
-            value: RwLock::new(value),
-            counters,
-        }
-    }
-
     fn read(&self) -> RwLockReadGuard<'_, T> {
         self.value.read().unwrap_or_else(|p| p.into_inner())
     }
@@ -188,7 +192,10 @@ impl<T> std::ops::DerefMut for WriteGuard<'_, T> {
 
 impl<T> Drop for Storage<T> {
     fn drop(&mut self) {
-        self.counters.live_vars.fetch_sub(1, Ordering::Relaxed);
+        self.engine
+            .counters()
+            .live_vars
+            .fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -287,13 +294,16 @@ impl Engine {
     }
 
     fn var_with_queue<T>(&self, queue: VarQueue, value: T) -> Var<T> {
-        self.counters().tracked_vars.fetch_add(1, Ordering::Relaxed);
+        let counters = self.counters();
+        counters.tracked_vars.fetch_add(1, Ordering::Relaxed);
+        counters.live_vars.fetch_add(1, Ordering::Relaxed);
         Var {
-            inner: Arc::new(VarHandle {
+            inner: Arc::new(Storage {
                 queue,
                 engine: self.uncounted(),
-                storage: Arc::new(Storage::new(value, self.counters().clone())),
                 version: std::sync::atomic::AtomicU64::new(0),
+                handles: std::sync::atomic::AtomicUsize::new(1),
+                value: RwLock::new(value),
             }),
         }
     }
@@ -322,7 +332,7 @@ impl<T> Var<T> {
 
     pub(crate) fn read_token(&self) -> Read<T> {
         Read {
-            storage: self.inner.storage.clone(),
+            storage: self.inner.clone(),
         }
     }
 
@@ -333,7 +343,7 @@ impl<T> Var<T> {
             .version
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Write {
-            storage: self.inner.storage.clone(),
+            storage: self.inner.clone(),
         }
     }
 
@@ -355,12 +365,12 @@ impl<T> Var<T> {
 
     /// Handles of this Var alive (tokens not counted).
     pub(crate) fn handles(&self) -> usize {
-        Arc::strong_count(&self.inner)
+        self.inner.handles.load(Ordering::Acquire)
     }
 
     /// Whether two handles refer to the same data.
     pub fn same(&self, other: &Var<T>) -> bool {
-        Arc::ptr_eq(&self.inner.storage, &other.inner.storage)
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Explicit blocker: runs exactly the recorded work this value depends on (and
@@ -422,14 +432,14 @@ impl<T> Var<T> {
         self.engine().counters().blocker(true);
         self.settle_read()?;
         let _borrow = crate::engine::Borrow::new(self.engine().shared().id, self.inner.clone());
-        Ok(f(&self.inner.storage.read()))
+        Ok(f(&self.inner.read()))
     }
 
     /// Reads the value without waiting or counting a blocker: for callers that
     /// have just waited for it (the storage lock orders it with any later
     /// writer that already started).
     pub(crate) fn peek<R>(&self, f: impl FnOnce(&T) -> R) -> R {
-        f(&self.inner.storage.read())
+        f(&self.inner.read())
     }
 
     /// Implicit blocker: waits for the value and returns a copy of it.
