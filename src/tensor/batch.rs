@@ -92,11 +92,6 @@ impl Open {
         self.places.get(&var.queue().key()).copied()
     }
 
-    /// Whether an op of the batch computes `var`.
-    fn computes(&self, var: &Var<Data>) -> bool {
-        self.place(var).is_some_and(|i| self.vars[i].2)
-    }
-
     /// Adds `var` to the Vars (holding it) or merges the access; returns its
     /// place.
     fn note(&mut self, var: &Var<Data>, read: bool, write: bool) -> usize {
@@ -236,28 +231,40 @@ impl DeviceBatch {
         // the batches, and the kernels made of them, are the same whatever
         // ran when.
         let mut hits: SmallVec<[usize; 2]> = SmallVec::new();
+        // The first batch that names every tensor input, with their places
+        // there: an op that reads only values computed elsewhere joins a
+        // batch that reads them all already (it adds nothing that batch waits
+        // for). Each input is looked up once per batch, and the places found
+        // are reused below when the op joins that batch unchanged.
+        let mut covering: Option<(usize, [Option<usize>; 2])> = None;
         for (b, open) in batches.iter().enumerate() {
-            let computes = inputs.iter().any(|arg| match arg {
-                Arg::Tensor(t) => open.computes(&t.var),
-                Arg::Scalar(_) => false,
-            });
+            let (mut computes, mut covers) = (false, true);
+            let mut places = [None; 2];
+            for (i, arg) in inputs.iter().enumerate() {
+                if let Arg::Tensor(t) = arg {
+                    let place = open.place(&t.var);
+                    match place {
+                        Some(p) => computes |= open.vars[p].2,
+                        None => covers = false,
+                    }
+                    if let Some(slot) = places.get_mut(i) {
+                        *slot = place;
+                    }
+                }
+            }
             if computes {
                 hits.push(b);
+            } else if covers && covering.is_none() {
+                covering = Some((b, places));
             }
         }
-        // An op that reads only values computed elsewhere joins a batch that
-        // reads them all already (it adds nothing that batch waits for).
-        let covering = || {
-            (0..batches.len()).find(|&b| {
-                inputs.iter().all(|arg| match arg {
-                    Arg::Tensor(t) => batches[b].place(&t.var).is_some(),
-                    Arg::Scalar(_) => true,
-                })
-            })
-        };
+        let mut known = None;
         let mut at = match hits.first() {
-            None => match covering() {
-                Some(b) => b,
+            None => match covering {
+                Some((b, places)) => {
+                    known = Some(places);
+                    b
+                }
                 None => {
                     if batches.len() >= MAX_OPEN {
                         // Many unrelated ops: the oldest batch is recorded
@@ -284,13 +291,21 @@ impl DeviceBatch {
             self.record(engine, full);
             batches.push(Open::default());
             at = batches.len() - 1;
+            known = None;
         }
         let open = &mut batches[at];
         let mut operands: SmallVec<[Operand; 2]> = SmallVec::new();
-        for arg in inputs {
+        for (i, arg) in inputs.iter().enumerate() {
             operands.push(match arg {
                 Arg::Tensor(t) => {
-                    let place = open.note(&t.var, true, false);
+                    let place =
+                        match known.and_then(|k: [Option<usize>; 2]| k.get(i).copied().flatten()) {
+                            Some(place) => {
+                                open.vars[place].1 = true;
+                                place
+                            }
+                            None => open.note(&t.var, true, false),
+                        };
                     Operand::Tensor(t.var.read_token(), Dims::from_slice(t.dims()), place)
                 }
                 Arg::Scalar(s) => Operand::Scalar(*s),
