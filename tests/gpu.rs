@@ -996,3 +996,96 @@ fn a_batch_with_more_inputs_than_bindings_keeps_what_its_later_kernels_read(gpu:
     }
 }
 gpu_test!(a_batch_with_more_inputs_than_bindings_keeps_what_its_later_kernels_read);
+
+fn many_kept_small_values_share_a_kernel_and_keep_their_values(gpu: Device) {
+    // 1,000 kept values of 3 floats from one input: a fused kernel writes the
+    // values of up to 256 ops into one buffer, bound once, so the adapter's
+    // binding limit no longer splits a batch into a kernel per few dozen
+    // values. Every value is checked, after most of the others are dropped
+    // and the pool has handed their memory out again.
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let base = data(3, 5);
+        let x = Tensor::from_vec_in(&e, base.clone(), [3])
+            .unwrap()
+            .to(gpu)
+            .unwrap();
+        x.wait_to_read().unwrap();
+        let k0 = e.kernels_dispatched(gpu);
+        let ys: Vec<Tensor> = (0..1_000).map(|i| &x + i as f32).collect();
+        e.wait_all().unwrap();
+        let kernels = e.kernels_dispatched(gpu) - k0;
+        // 4 batches of at most 256 ops; one kernel each, an info upload aside.
+        assert!(
+            kernels <= 8,
+            "{mode:?} on {}: {kernels} kernels for 1,000 kept values",
+            common::describe(gpu)
+        );
+        let want = |i: usize| base.iter().map(|b| b + i as f32).collect::<Vec<_>>();
+        for i in [0, 1, 255, 256, 999] {
+            assert_close(
+                &ys[i].to_vec().unwrap(),
+                &want(i),
+                &format!("{mode:?} y{i}"),
+            );
+        }
+        // Keep two values of each slab (the first one's range starts where a
+        // buffer handed out again would be written) and churn the pool.
+        let kept: Vec<(usize, Tensor)> = ys
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| i % 256 == 0 || i % 256 == 100)
+            .collect();
+        // Uploads of the same size take buffers of the pool's smallest class.
+        let churn: Vec<Tensor> = (0..1_000)
+            .map(|i| {
+                let v = vec![-(i as f32); 3];
+                Tensor::from_vec_in(&e, v, [3]).unwrap().to(gpu).unwrap()
+            })
+            .collect();
+        e.wait_all().unwrap();
+        for (i, y) in &kept {
+            assert_close(
+                &y.to_vec().unwrap(),
+                &want(*i),
+                &format!("{mode:?} kept y{i}"),
+            );
+        }
+        assert_close(&churn[7].to_vec().unwrap(), &[-7.0; 3], "churn");
+    }
+}
+gpu_test!(many_kept_small_values_share_a_kernel_and_keep_their_values);
+
+fn values_of_one_kernel_feed_other_kernels_and_in_place_updates(gpu: Device) {
+    // Values a fused kernel wrote into one buffer, used by kernels that bind
+    // them at their offsets: a matmul of two of them, and an in-place update
+    // of one with another (the same buffer read and written by one dispatch,
+    // which wgpu refuses: the read side is copied first).
+    let e = engine(Mode::Lazy);
+    let a = data(16, 1);
+    let x = Tensor::from_vec_in(&e, a.clone(), [4, 4])
+        .unwrap()
+        .to(gpu)
+        .unwrap();
+    let ys: Vec<Tensor> = (0..8).map(|i| &x + i as f32).collect();
+    let cpu = |i: usize| a.iter().map(|v| v + i as f32).collect::<Vec<_>>();
+    let p = ys[2].matmul(&ys[5]).unwrap();
+    let mut want = vec![0.0f32; 16];
+    let (l, r) = (cpu(2), cpu(5));
+    for i in 0..4 {
+        for j in 0..4 {
+            want[i * 4 + j] = (0..4).map(|k| l[i * 4 + k] * r[k * 4 + j]).sum();
+        }
+    }
+    assert_close(
+        &p.to_vec().unwrap(),
+        &want,
+        "matmul of two values of one kernel",
+    );
+    ys[3].add_(&ys[6]).unwrap();
+    let sum: Vec<f32> = cpu(3).iter().zip(cpu(6)).map(|(u, v)| u + v).collect();
+    assert_close(&ys[3].to_vec().unwrap(), &sum, "y3 += y6");
+    assert_close(&ys[6].to_vec().unwrap(), &cpu(6), "y6 unchanged");
+    assert_close(&ys[4].to_vec().unwrap(), &cpu(4), "y4 unchanged");
+}
+gpu_test!(values_of_one_kernel_feed_other_kernels_and_in_place_updates);

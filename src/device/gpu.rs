@@ -266,11 +266,12 @@ impl Pool {
 }
 
 /// A storage buffer from a device's pool, bound with its exact length; it goes
-/// back to the pool when dropped.
+/// back to the pool when dropped. Or a range of a [`Slab`] that a fused
+/// kernel writes several small values into (see [`Gpu::pack`]).
 pub(crate) struct GpuBuffer {
     /// Created on first use for a buffer from [`Gpu::alloc_lazy`]: a fused
     /// op's value that nothing outside its kernel reads never gets one.
-    buffer: std::sync::OnceLock<wgpu::Buffer>,
+    buffer: std::sync::OnceLock<Backing>,
     /// Set when a kernel, copy or upload writes the buffer.
     stamp: Mutex<Option<Stamp>>,
     /// The bytes in use (bindings cover exactly these).
@@ -285,15 +286,58 @@ impl std::fmt::Debug for GpuBuffer {
     }
 }
 
+/// Where a [`GpuBuffer`]'s bytes are: a buffer of its own from the pool, or a
+/// range of a slab shared with other values.
+struct Backing {
+    buffer: wgpu::Buffer,
+    /// Of the value's first byte in `buffer` (0 for a buffer of its own).
+    offset: u64,
+    /// The slab the range belongs to (`None`: the buffer is the value's own).
+    slab: Option<Arc<Slab>>,
+}
+
+/// One buffer holding several small values that one fused kernel writes,
+/// each at its own aligned offset, bound once: a kernel that writes many
+/// values then needs one binding for them, not one each, and so fits in one
+/// dispatch where it took one per few dozen values (each dispatch costs a
+/// software adapter more than the work of small values). The buffer goes
+/// back to the pool when the last value in it is dropped.
+struct Slab {
+    buffer: wgpu::Buffer,
+    class: u64,
+    pool: Arc<Pool>,
+}
+
+impl Drop for Slab {
+    fn drop(&mut self) {
+        self.pool.give(self.class, self.buffer.clone());
+    }
+}
+
+/// Values of at most this many bytes are packed into one slab per kernel.
+/// Bounds what one small value still in use keeps alive (its whole slab: at
+/// most 256 values of this size).
+pub(crate) const PACK_MAX_BYTES: u64 = 4096;
+
 impl GpuBuffer {
-    /// The wgpu buffer, created now (from the pool) if it has none yet.
-    fn raw(&self, gpu: &Gpu) -> Result<&wgpu::Buffer, String> {
+    /// The wgpu buffer and the value's offset in it, created now (from the
+    /// pool) if it has none yet.
+    fn raw(&self, gpu: &Gpu) -> Result<&Backing, String> {
         if let Some(b) = self.buffer.get() {
             return Ok(b);
         }
         let created = gpu.pooled(self.class)?;
         // Another thread may have created one meanwhile: then ours is freed.
-        Ok(self.buffer.get_or_init(|| created))
+        Ok(self.buffer.get_or_init(|| Backing {
+            buffer: created,
+            offset: 0,
+            slab: None,
+        }))
+    }
+
+    /// The slab this value is a range of, if it is one.
+    fn slab(&self) -> Option<&Arc<Slab>> {
+        self.buffer.get().and_then(|b| b.slab.as_ref())
     }
 
     /// Adds the fates this value depends on that are open or failed.
@@ -335,9 +379,10 @@ impl GpuBuffer {
     }
 
     fn binding(&self, gpu: &Gpu) -> Result<wgpu::BindingResource<'_>, String> {
+        let b = self.raw(gpu)?;
         Ok(wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-            buffer: self.raw(gpu)?,
-            offset: 0,
+            buffer: &b.buffer,
+            offset: b.offset,
             size: std::num::NonZeroU64::new(self.bytes),
         }))
     }
@@ -345,8 +390,12 @@ impl GpuBuffer {
 
 impl Drop for GpuBuffer {
     fn drop(&mut self) {
-        if let Some(b) = self.buffer.take() {
-            self.pool.give(self.class, b);
+        // A range of a slab: the slab goes back when its last value does.
+        if let Some(Backing {
+            buffer, slab: None, ..
+        }) = self.buffer.take()
+        {
+            self.pool.give(self.class, buffer);
         }
     }
 }
@@ -480,6 +529,9 @@ pub(crate) struct Gpu {
     /// record-time batch), set on first use.
     pub(crate) frontend: OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
     max_storage_buffers: usize,
+    /// Alignment of a storage binding's offset, in bytes (and of a slab's
+    /// ranges).
+    storage_align: u64,
     /// Largest workgroup count of one dispatch dimension.
     max_workgroups: u32,
     /// Why the device is lost, once it is (shared with wgpu's callback).
@@ -664,6 +716,7 @@ impl Gpu {
             deferred: Mutex::new(None),
             frontend: OnceLock::new(),
             max_storage_buffers: limits.max_storage_buffers_per_shader_stage as usize,
+            storage_align: u64::from(limits.min_storage_buffer_offset_alignment).max(4),
             max_workgroups: limits.max_compute_workgroups_per_dimension,
             lost,
             timeout: options.timeout,
@@ -739,6 +792,42 @@ impl Gpu {
         })
     }
 
+    /// Gives each of `values` (none of which has memory yet) a range of one
+    /// new slab, at offsets `stride` floats apart, aligned for binding;
+    /// returns `stride`. A kernel then writes them all through one binding
+    /// ([`Gpu::dispatch_packed`]).
+    pub(crate) fn pack(&self, values: &[&GpuBuffer]) -> Result<u32, String> {
+        if values.iter().any(|v| v.buffer.get().is_some()) {
+            return Err("internal error: a value to pack already has memory".into());
+        }
+        let largest = values.iter().map(|v| v.bytes).max().unwrap_or(4);
+        let stride = largest.next_multiple_of(self.storage_align);
+        let total = stride * values.len() as u64;
+        if total > self.max_binding {
+            return Err(format!(
+                "internal error: a slab of {total} bytes exceeds the largest binding"
+            ));
+        }
+        let class = Pool::class(total).min(self.max_binding).max(total);
+        let buffer = self.pooled(class)?;
+        let slab = Arc::new(Slab {
+            buffer: buffer.clone(),
+            class,
+            pool: self.pool.clone(),
+        });
+        for (k, v) in values.iter().enumerate() {
+            let backing = Backing {
+                buffer: buffer.clone(),
+                offset: k as u64 * stride,
+                slab: Some(slab.clone()),
+            };
+            if v.buffer.set(backing).is_err() {
+                return Err("internal error: a packed value was given memory meanwhile".into());
+            }
+        }
+        Ok((stride / 4) as u32)
+    }
+
     /// A buffer of `class` bytes from the pool, or a new one.
     fn pooled(&self, class: u64) -> Result<wgpu::Buffer, String> {
         self.buffers_backed
@@ -770,6 +859,7 @@ impl Gpu {
         let len = bytes.len() as u64;
         if len <= BELT_BYTES / 4 {
             let to = out.raw(self)?;
+            let (to, to_at) = (&to.buffer, to.offset);
             let mut batch = lock(&self.batch);
             let at = self.belt_space(&mut batch, len)?;
             let Some(belt) = &batch.belt else {
@@ -781,7 +871,7 @@ impl Gpu {
             }
             let from = belt.buffer.clone();
             self.encoder(&mut batch)
-                .copy_buffer_to_buffer(&from, at, to, 0, len);
+                .copy_buffer_to_buffer(&from, at, to, to_at, len);
             out.stamp(SmallVec::from_elem(batch.fate.clone(), 1));
             batch.writers.note();
             return Ok(out);
@@ -805,7 +895,8 @@ impl Gpu {
         })??;
         let mut batch = lock(&self.batch);
         let encoder = self.encoder(&mut batch);
-        encoder.copy_buffer_to_buffer(&staging, 0, out.raw(self)?, 0, len);
+        let to = out.raw(self)?;
+        encoder.copy_buffer_to_buffer(&staging, 0, &to.buffer, to.offset, len);
         out.stamp(SmallVec::from_elem(batch.fate.clone(), 1));
         batch.writers.note();
         Ok(out)
@@ -873,7 +964,8 @@ impl Gpu {
         let index = {
             let mut batch = lock(&self.batch);
             let encoder = self.encoder(&mut batch);
-            encoder.copy_buffer_to_buffer(buffer.raw(self)?, 0, &staging, 0, size);
+            let from = buffer.raw(self)?;
+            encoder.copy_buffer_to_buffer(&from.buffer, from.offset, &staging, 0, size);
             self.submit_locked(&mut batch)?
         };
         let (tx, rx) = std::sync::mpsc::channel();
@@ -982,6 +1074,21 @@ impl Gpu {
         info: &[u32],
         grid: Grid,
     ) -> Result<(), String> {
+        self.dispatch_packed(kernel, spec, bindings, &[], info, grid)
+    }
+
+    /// [`Gpu::dispatch_direct`] for a kernel that also writes `packed`, the
+    /// values of one slab (see [`Gpu::pack`]), bound as one binding after
+    /// `bindings` (and before the info buffer).
+    pub(crate) fn dispatch_packed(
+        &self,
+        kernel: KernelSource,
+        spec: &str,
+        bindings: &[(&GpuBuffer, Access)],
+        packed: &[&GpuBuffer],
+        info: &[u32],
+        grid: Grid,
+    ) -> Result<(), String> {
         self.check_lost()?;
         let mut lineage = Lineage::new();
         // An overwrite does not depend on the old value.
@@ -990,11 +1097,15 @@ impl Gpu {
                 b.lineage_into(&mut lineage);
             }
         }
+        for b in packed {
+            b.lineage_into(&mut lineage);
+        }
         let written = || {
             bindings
                 .iter()
                 .filter(|(_, access)| *access != Access::Read)
                 .map(|(b, _)| b)
+                .chain(packed)
         };
         let Some((gx, gy, gz)) = grid.counts() else {
             for b in written() {
@@ -1022,19 +1133,65 @@ impl Gpu {
         if let Some(info) = &info {
             info.lineage_into(&mut lineage);
         }
+        // A value read here from a slab that the kernel also writes (another
+        // range of it) is read from a copy: wgpu refuses one buffer bound
+        // read-only and read-write in the same dispatch.
+        let writes_slab =
+            |s: &Arc<Slab>| written().any(|w| w.slab().is_some_and(|t| Arc::ptr_eq(s, t)));
+        let mut copies: SmallVec<[(usize, GpuBuffer); 2]> = SmallVec::new();
+        for (i, (b, access)) in bindings.iter().enumerate() {
+            if *access == Access::Read && b.slab().is_some_and(writes_slab) {
+                copies.push((i, self.alloc((b.bytes / 4) as usize)?));
+            }
+        }
+        let slab = match packed {
+            [] => None,
+            [first, ..] => {
+                let Some(slab) = first.slab().cloned() else {
+                    return Err("internal error: a packed value is not in a slab".into());
+                };
+                if packed
+                    .iter()
+                    .any(|v| !v.slab().is_some_and(|s| Arc::ptr_eq(s, &slab)))
+                {
+                    return Err("internal error: packed values of several slabs".into());
+                }
+                let end = packed
+                    .iter()
+                    .filter_map(|v| v.buffer.get().map(|b| b.offset + v.bytes))
+                    .max()
+                    .unwrap_or(0);
+                Some((slab, end))
+            }
+        };
         let layout = self.scoped(|| pipeline.get_bind_group_layout(0))?;
-        let entries: Vec<wgpu::BindGroupEntry> = bindings
-            .iter()
-            .map(|(b, _)| *b)
-            .chain(info.as_ref())
-            .enumerate()
-            .map(|(i, b)| {
-                Ok(wgpu::BindGroupEntry {
-                    binding: i as u32,
-                    resource: b.binding(self)?,
-                })
-            })
-            .collect::<Result<_, String>>()?;
+        let mut entries: Vec<wgpu::BindGroupEntry> = Vec::with_capacity(bindings.len() + 2);
+        for (i, (b, _)) in bindings.iter().enumerate() {
+            let b = copies
+                .iter()
+                .find(|(at, _)| *at == i)
+                .map_or(*b, |(_, copy)| copy);
+            entries.push(wgpu::BindGroupEntry {
+                binding: entries.len() as u32,
+                resource: b.binding(self)?,
+            });
+        }
+        if let Some((slab, end)) = &slab {
+            entries.push(wgpu::BindGroupEntry {
+                binding: entries.len() as u32,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &slab.buffer,
+                    offset: 0,
+                    size: std::num::NonZeroU64::new(*end),
+                }),
+            });
+        }
+        if let Some(info) = &info {
+            entries.push(wgpu::BindGroupEntry {
+                binding: entries.len() as u32,
+                resource: info.binding(self)?,
+            });
+        }
         let bind_group = self.scoped(|| {
             self.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: None,
@@ -1045,6 +1202,16 @@ impl Gpu {
         let mut batch = lock(&self.batch);
         {
             let encoder = self.encoder(&mut batch);
+            for (i, copy) in &copies {
+                let (from, to) = (bindings[*i].0.raw(self)?, copy.raw(self)?);
+                encoder.copy_buffer_to_buffer(
+                    &from.buffer,
+                    from.offset,
+                    &to.buffer,
+                    to.offset,
+                    copy.bytes,
+                );
+            }
             let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
             pass.set_pipeline(&pipeline);
             pass.set_bind_group(0, &bind_group, &[]);
@@ -1078,8 +1245,13 @@ impl Gpu {
         self.encode_deferred()?;
         let (from, to) = (src.raw(self)?, dst.raw(self)?);
         let mut batch = lock(&self.batch);
-        self.encoder(&mut batch)
-            .copy_buffer_to_buffer(from, 0, to, 0, size);
+        self.encoder(&mut batch).copy_buffer_to_buffer(
+            &from.buffer,
+            from.offset,
+            &to.buffer,
+            to.offset,
+            size,
+        );
         lineage.push(batch.fate.clone());
         batch.writers.note();
         dst.stamp(lineage);

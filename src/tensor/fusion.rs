@@ -471,10 +471,23 @@ impl Plan {
         plan
     }
 
-    /// Storage buffers bound, the info buffer included.
-    fn bindings(&self) -> usize {
-        self.leaves.len() + self.imports.len() + self.outputs.len() + 1
+    /// Storage buffers bound, the info buffer included; `packed`: the
+    /// outputs share one binding (see [`packs`]).
+    fn bindings(&self, packed: bool) -> usize {
+        let outputs = if packed {
+            self.outputs.len().min(1)
+        } else {
+            self.outputs.len()
+        };
+        self.leaves.len() + self.imports.len() + outputs + 1
     }
+}
+
+/// Whether a kernel of the group writes its outputs into one slab, bound
+/// once (`Gpu::pack`): values this small, when it writes several.
+fn packs(group: &Group, outputs: usize) -> bool {
+    let n: usize = group.dims.iter().product();
+    outputs > 1 && (n.max(1) * 4) as u64 <= crate::device::gpu::PACK_MAX_BYTES
 }
 
 /// Where the kernel that starts at op `start` ends: the longest run of ops up
@@ -489,12 +502,13 @@ fn segment_end(
     end: usize,
     max: usize,
 ) -> usize {
+    let fits = |plan: Plan| plan.bindings(packs(group, plan.outputs.len())) <= max;
     // Most groups fit whole: one plan instead of one per op.
-    if Plan::of(group, kept, last_use, start..end).bindings() <= max {
+    if fits(Plan::of(group, kept, last_use, start..end)) {
         return end;
     }
     let mut stop = start + 1;
-    while stop < end && Plan::of(group, kept, last_use, start..stop + 1).bindings() <= max {
+    while stop < end && fits(Plan::of(group, kept, last_use, start..stop + 1)) {
         stop += 1;
     }
     stop
@@ -511,11 +525,26 @@ fn encode_segment(
     sources: &mut HashMap<Vec<u32>, std::sync::Arc<str>>,
 ) -> Result<(), String> {
     let plan = Plan::of(group, kept, last_use, range.clone());
-    let (key, info) = structure(group, &plan, range.clone());
+    let packed = packs(group, plan.outputs.len());
+    let out_guards: Vec<_> = plan
+        .outputs
+        .iter()
+        .map(|&j| group.ops[j].out.read())
+        .collect();
+    let stride = if packed {
+        let values = out_guards
+            .iter()
+            .map(|g| g.gpu())
+            .collect::<Result<Vec<_>, String>>()?;
+        Some(gpu.pack(&values)?)
+    } else {
+        None
+    };
+    let (key, info) = structure(group, &plan, range.clone(), stride);
     let source = match sources.get(&key) {
         Some(source) => source.clone(),
         None => {
-            let (source, generated_info) = generate(group, &plan, range);
+            let (source, generated_info) = generate(group, &plan, range, stride);
             // Both lay out the same info buffer; checked on every miss.
             if info != generated_info {
                 return Err(format!(
@@ -537,23 +566,24 @@ fn encode_segment(
         .iter()
         .map(|&k| group.ops[k].out.read())
         .collect();
-    let out_guards: Vec<_> = plan
-        .outputs
-        .iter()
-        .map(|&j| group.ops[j].out.read())
-        .collect();
-    let mut bindings: Vec<(&GpuBuffer, Access)> = Vec::with_capacity(plan.bindings());
+    let mut bindings: Vec<(&GpuBuffer, Access)> = Vec::with_capacity(plan.bindings(false));
     for g in leaf_guards.iter().chain(&import_guards) {
         bindings.push((g.gpu()?, Access::Read));
     }
+    let mut slab: Vec<&GpuBuffer> = Vec::new();
     for g in &out_guards {
-        bindings.push((g.gpu()?, Access::Write));
+        if packed {
+            slab.push(g.gpu()?);
+        } else {
+            bindings.push((g.gpu()?, Access::Write));
+        }
     }
     // Under the hook's lock: `dispatch` would encode the group again.
-    gpu.dispatch_direct(
+    gpu.dispatch_packed(
         KernelSource::WHOLE,
         &source,
         &bindings,
+        &slab,
         &info,
         Grid::Elements(n),
     )
@@ -564,7 +594,12 @@ fn encode_segment(
 /// scalars, strides or sizes, which are in the info buffer); and that info
 /// buffer, as [`generate`] lays it out. Two segments with the same key have
 /// the same source.
-fn structure(group: &Group, plan: &Plan, range: std::ops::Range<usize>) -> (Vec<u32>, Vec<u32>) {
+fn structure(
+    group: &Group,
+    plan: &Plan,
+    range: std::ops::Range<usize>,
+    stride: Option<u32>,
+) -> (Vec<u32>, Vec<u32>) {
     let rank = group.dims.len();
     let n: usize = group.dims.iter().product();
     let mut info: Vec<u32> = vec![n as u32, rank as u32];
@@ -580,6 +615,7 @@ fn structure(group: &Group, plan: &Plan, range: std::ops::Range<usize>) -> (Vec<
         plan.imports.len() as u32,
         plan.outputs.len() as u32,
         u32::from(strided),
+        u32::from(stride.is_some()),
     ]);
     let leaf = |l: &usize| plan.leaves.iter().position(|x| x == l).expect("planned") as u32;
     for op in ops {
@@ -607,14 +643,22 @@ fn structure(group: &Group, plan: &Plan, range: std::ops::Range<usize>) -> (Vec<
         }
     }
     key.extend(plan.outputs.iter().map(|j| (j - range.start) as u32));
+    info.extend(stride);
     (key, info)
 }
 
 /// The kernel source of the ops `range` of a group bound as `plan` says, and
-/// its info buffer: `[n, rank, dims, strides..., scalars...]`. Names are local
-/// to the kernel (bindings `b0..`, values `t0..` in op order), so groups of the
-/// same structure share one compiled kernel wherever they sit.
-fn generate(group: &Group, plan: &Plan, range: std::ops::Range<usize>) -> (String, Vec<u32>) {
+/// its info buffer: `[n, rank, dims, strides..., scalars..., stride]`. Names
+/// are local to the kernel (bindings `b0..`, values `t0..` in op order), so
+/// groups of the same structure share one compiled kernel wherever they sit.
+/// With a `stride` the outputs are ranges of one slab binding, `stride`
+/// floats apart (its value is in the info buffer, not the source).
+fn generate(
+    group: &Group,
+    plan: &Plan,
+    range: std::ops::Range<usize>,
+    stride: Option<u32>,
+) -> (String, Vec<u32>) {
     let rank = group.dims.len();
     let n: usize = group.dims.iter().product();
     let mut info: Vec<u32> = vec![n as u32, rank as u32];
@@ -627,7 +671,12 @@ fn generate(group: &Group, plan: &Plan, range: std::ops::Range<usize>) -> (Strin
             "@group(0) @binding({b}) var<storage, read> b{b}: array<f32>;"
         );
     }
-    for b in inputs..inputs + plan.outputs.len() {
+    let out_bindings = if stride.is_some() {
+        1
+    } else {
+        plan.outputs.len()
+    };
+    for b in inputs..inputs + out_bindings {
         let _ = writeln!(
             src,
             "@group(0) @binding({b}) var<storage, read_write> b{b}: array<f32>;"
@@ -636,7 +685,7 @@ fn generate(group: &Group, plan: &Plan, range: std::ops::Range<usize>) -> (Strin
     let _ = writeln!(
         src,
         "@group(0) @binding({}) var<storage, read> info: array<u32>;",
-        inputs + plan.outputs.len()
+        inputs + out_bindings
     );
     src.push_str(
         "\n@compute @workgroup_size(256)\n\
@@ -702,8 +751,23 @@ fn generate(group: &Group, plan: &Plan, range: std::ops::Range<usize>) -> (Strin
         };
         let _ = writeln!(src, "    let t{j} = {expr};");
     }
-    for (o, j) in plan.outputs.iter().enumerate() {
-        let _ = writeln!(src, "    b{}[i] = t{};", inputs + o, j - range.start);
+    match stride {
+        Some(stride) => {
+            info.push(stride);
+            let at = info.len() - 1;
+            for (o, j) in plan.outputs.iter().enumerate() {
+                let _ = writeln!(
+                    src,
+                    "    b{inputs}[{o}u * info[{at}u] + i] = t{};",
+                    j - range.start
+                );
+            }
+        }
+        None => {
+            for (o, j) in plan.outputs.iter().enumerate() {
+                let _ = writeln!(src, "    b{}[i] = t{};", inputs + o, j - range.start);
+            }
+        }
     }
     src.push_str("}\n");
     (src, info)
