@@ -18,9 +18,14 @@
 //! and results nobody keeps are never written.
 //!
 //! Outputs do not limit a group while it grows (which of them are written is
-//! known only when it is encoded): a group that would bind more buffers than
-//! the adapter allows (32 storage buffers per stage on lavapipe's Vulkan, 16 on
-//! GL) is encoded as several kernels, each writing what the later ones read.
+//! known only when it is encoded). A kernel that writes several values of at
+//! most `PACK_MAX_BYTES` (4 KiB) each writes them into one slab buffer, bound
+//! once, each value a range of it at an aligned offset (`Gpu::pack`): 256 kept
+//! small values are one kernel. Otherwise each written value is a binding of
+//! its own, and a group that would bind more buffers than the adapter allows
+//! (32 storage buffers per stage on lavapipe's Vulkan, 16 on GL) is encoded as
+//! several kernels, each writing what the later ones read. A value keeps its
+//! whole slab alive (at most 256 values of 4 KiB).
 //!
 //! The group lives in its device's deferred-encode hook ([`DeferredEncode`]),
 //! so the device encodes it before anything else it encodes, submits or reads
