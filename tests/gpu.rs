@@ -1089,3 +1089,27 @@ fn values_of_one_kernel_feed_other_kernels_and_in_place_updates(gpu: Device) {
     assert_close(&ys[4].to_vec().unwrap(), &cpu(4), "y4 unchanged");
 }
 gpu_test!(values_of_one_kernel_feed_other_kernels_and_in_place_updates);
+
+fn a_fused_kernel_of_one_structure_covers_small_and_large_tensors(gpu: Device) {
+    // Kernels over fewer than 256 elements use smaller workgroups; the same
+    // chain of ops over 2, 40 and 5,000 elements must compute every element
+    // (a kernel compiled for a small workgroup and reused for a large
+    // tensor would leave most of it unwritten).
+    let e = engine(Mode::Lazy);
+    for n in [2usize, 40, 5_000, 3] {
+        let a = data(n, n as u32);
+        let mut x = Tensor::from_vec_in(&e, a.clone(), [n])
+            .unwrap()
+            .to(gpu)
+            .unwrap();
+        for _ in 0..20 {
+            x = &(&x * 0.5) + 1.0;
+        }
+        let want: Vec<f32> = a
+            .iter()
+            .map(|&v| (0..20).fold(v, |acc, _| acc * 0.5 + 1.0))
+            .collect();
+        assert_close(&x.to_vec().unwrap(), &want, &format!("n = {n}"));
+    }
+}
+gpu_test!(a_fused_kernel_of_one_structure_covers_small_and_large_tensors);
