@@ -39,9 +39,9 @@
 //! structure of the group and on the size class of its tensors (shapes,
 //! strides and scalars live in the info buffer, and names are local to the
 //! kernel). The size class sets the workgroup: 256 invocations, or for fewer
-//! elements the smallest power of two from 32 that covers them. Lavapipe runs
-//! every invocation of a workgroup, idle ones included, so a 256-op kernel
-//! over 2 elements took 556 us with 256 invocations and 397 us with 32.
+//! elements the smallest power of two from 32 that covers them: lavapipe runs
+//! every invocation of a workgroup, idle ones included (the chain of
+//! `gpu_bench` on 2 elements went from 1.16-1.64 to 0.93-1.16 us per op).
 
 use super::kernels::{BinaryOp, UnaryOp};
 use super::Data;
