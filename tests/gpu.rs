@@ -722,10 +722,17 @@ gpu_test!(a_long_elementwise_chain_runs_in_full_groups_in_every_mode);
 fn a_group_with_more_kept_values_than_bindings_is_split_and_stays_exact(gpu: Device) {
     // 60 values kept out of one group of 60 ops: more outputs than any
     // adapter binds in one kernel; every kept value must still be right.
-    for mode in [Mode::Lazy, Mode::Async] {
+    // Values of 300 floats share one slab binding; those of 1,100 (over
+    // 4 KiB) take a binding each, and the group is split into kernels.
+    for (mode, len) in [
+        (Mode::Lazy, 300),
+        (Mode::Async, 300),
+        (Mode::Lazy, 1_100),
+        (Mode::Async, 1_100),
+    ] {
         let e = engine(mode);
-        let base = data(300, 9);
-        let x0 = Tensor::from_vec_in(&e, base.clone(), [300])
+        let base = data(len, 9);
+        let x0 = Tensor::from_vec_in(&e, base.clone(), [len])
             .unwrap()
             .to(gpu)
             .unwrap();

@@ -778,11 +778,7 @@ impl Gpu {
                 self.max_binding
             ));
         }
-        let class = if Pool::class(bytes) <= self.max_binding {
-            Pool::class(bytes)
-        } else {
-            bytes
-        };
+        let class = self.class(bytes);
         Ok(GpuBuffer {
             buffer: std::sync::OnceLock::new(),
             stamp: Mutex::new(None),
@@ -808,7 +804,7 @@ impl Gpu {
                 "internal error: a slab of {total} bytes exceeds the largest binding"
             ));
         }
-        let class = Pool::class(total).min(self.max_binding).max(total);
+        let class = self.class(total);
         let buffer = self.pooled(class)?;
         let slab = Arc::new(Slab {
             buffer: buffer.clone(),
@@ -826,6 +822,17 @@ impl Gpu {
             }
         }
         Ok((stride / 4) as u32)
+    }
+
+    /// The pool's size class of a buffer of `bytes` (at most the largest
+    /// binding, where a whole class would exceed it).
+    fn class(&self, bytes: u64) -> u64 {
+        let class = Pool::class(bytes);
+        if class <= self.max_binding {
+            class
+        } else {
+            bytes
+        }
     }
 
     /// A buffer of `class` bytes from the pool, or a new one.
@@ -1133,14 +1140,19 @@ impl Gpu {
         if let Some(info) = &info {
             info.lineage_into(&mut lineage);
         }
-        // A value read here from a slab that the kernel also writes (another
-        // range of it) is read from a copy: wgpu refuses one buffer bound
-        // read-only and read-write in the same dispatch.
-        let writes_slab =
-            |s: &Arc<Slab>| written().any(|w| w.slab().is_some_and(|t| Arc::ptr_eq(s, t)));
+        // A value read here that the kernel also writes (`a += a`), or that
+        // shares a slab with one it writes, is read from a copy: wgpu refuses
+        // one buffer bound read-only and read-write in the same dispatch.
+        let written_too = |b: &GpuBuffer| {
+            written().any(|w| {
+                std::ptr::eq(*w, b)
+                    || b.slab()
+                        .is_some_and(|s| w.slab().is_some_and(|t| Arc::ptr_eq(s, t)))
+            })
+        };
         let mut copies: SmallVec<[(usize, GpuBuffer); 2]> = SmallVec::new();
         for (i, (b, access)) in bindings.iter().enumerate() {
-            if *access == Access::Read && b.slab().is_some_and(writes_slab) {
+            if *access == Access::Read && written_too(b) {
                 copies.push((i, self.alloc((b.bytes / 4) as usize)?));
             }
         }

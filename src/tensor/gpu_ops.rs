@@ -771,7 +771,6 @@ impl Tensor {
         info.extend_from_slice(&full[2 + 2 * rank..]);
         let expr = binary_wgsl(op, "x", "y");
         let n = self.numel();
-        let nb = other.numel();
         let mut t = self.engine().task_at(name, location);
         t.device(self.device);
         drop(t.read(&self.var));
@@ -784,21 +783,13 @@ impl Tensor {
             gpu.encode_deferred()?;
             let guard = w.write();
             let ab = guard.gpu()?;
-            match &b {
-                Some(b) => Kernel::Inplace.dispatch(
-                    &gpu,
-                    &expr,
-                    &[ab, b.read().gpu()?],
-                    &info,
-                    Grid::Elements(n),
-                )?,
-                None => {
-                    // A buffer cannot be bound read-only and read-write at once.
-                    let copy = gpu.alloc(nb)?;
-                    gpu.copy(ab, &copy, (nb * 4) as u64)?;
-                    Kernel::Inplace.dispatch(&gpu, &expr, &[ab, &copy], &info, Grid::Elements(n))?
-                }
-            }
+            // `a op= a` binds `a` twice: the dispatch reads a copy of it.
+            let guard_b = b.as_ref().map(|b| b.read());
+            let bb = match &guard_b {
+                Some(g) => g.gpu()?,
+                None => ab,
+            };
+            Kernel::Inplace.dispatch(&gpu, &expr, &[ab, bb], &info, Grid::Elements(n))?;
             drop(pending);
             Ok(())
         })
