@@ -247,7 +247,7 @@ pub fn machine(engine: &Engine) -> Value {
     })
 }
 
-fn cpu_model() -> String {
+pub fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -516,5 +516,25 @@ impl Tour {
         if self.devices.iter().any(|d| d.label().ends_with('*')) {
             println!("* a software GPU (lavapipe) on the host's cores, the same ones the CPU device's figures use");
         }
+    }
+}
+
+/// The widest x86 vector extension the CPU reports (AVX-512, AVX2, ...), for
+/// the line that names the machine beside a table.
+pub fn simd_width() -> &'static str {
+    let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let has = |f: &str| {
+        flags
+            .lines()
+            .any(|l| l.starts_with("flags") && l.split_whitespace().any(|w| w == f))
+    };
+    if has("avx512f") {
+        "AVX-512"
+    } else if has("avx2") {
+        "AVX2"
+    } else if has("sse4_2") {
+        "SSE4.2"
+    } else {
+        "no x86 vector flags reported"
     }
 }
