@@ -39,10 +39,8 @@ pub struct TaskBuilder<'e> {
     eager: bool,
 }
 
-/// A Var a task names: its handle, the key of its queue (kept here: searching
-/// the Vars declared so far reads it without a call through the handle),
-/// whether it is read, whether it is written.
-type Declared = (Arc<dyn Tracked>, usize, bool, bool);
+/// A Var a task names: its handle, whether it is read, whether it is written.
+type Declared = (Arc<dyn Tracked>, bool, bool);
 
 /// A recorded task that can be waited on.
 #[derive(Clone)]
@@ -139,7 +137,11 @@ impl<'e> TaskBuilder<'e> {
     }
 
     /// Declares an access without a token and without closing the batches
-    /// that name the Var (the batch being closed declares its own Vars).
+    /// that name the Var (a record-time batch being closed declares its own
+    /// Vars). A Var named twice is merged by the graph when the task is
+    /// recorded (it sorts the accesses anyway), so that declaring costs the
+    /// same whatever was declared before: a search here cost a task of n
+    /// accesses n²/2 comparisons.
     pub(crate) fn declare_unchecked<T: Send + Sync + 'static>(
         &mut self,
         var: &Var<T>,
@@ -147,29 +149,7 @@ impl<'e> TaskBuilder<'e> {
         write: bool,
     ) {
         self.check_engine(var);
-        let key = var.queue().key();
-        match self.vars.iter_mut().find(|(_, k, _, _)| *k == key) {
-            Some((_, _, r, w)) => {
-                *r |= read;
-                *w |= write;
-            }
-            None => self.vars.push((var.tracked(), key, read, write)),
-        }
-    }
-
-    /// Like [`TaskBuilder::declare_unchecked`] for a Var the caller knows it
-    /// has not declared yet (a record-time batch, whose Vars are distinct):
-    /// no search of the Vars declared so far, which would cost a batch of n
-    /// Vars n²/2 comparisons.
-    pub(crate) fn declare_distinct<T: Send + Sync + 'static>(
-        &mut self,
-        var: &Var<T>,
-        read: bool,
-        write: bool,
-    ) {
-        self.check_engine(var);
-        self.vars
-            .push((var.tracked(), var.queue().key(), read, write));
+        self.vars.push((var.tracked(), read, write));
     }
 
     /// Notes a Var of another engine (the record then fails).
@@ -289,7 +269,7 @@ impl<'e> TaskBuilder<'e> {
             });
         }
         let mut accesses = SmallVec::with_capacity(self.vars.len());
-        for (v, _, read, write) in &self.vars {
+        for (v, read, write) in &self.vars {
             accesses.push(Access {
                 var: v.queue(),
                 read: *read,

@@ -401,3 +401,39 @@ fn a_value_read_back_has_its_writer_counted_out() {
         }
     }
 }
+
+/// A task may name one Var several times (reads before and after a write):
+/// the graph merges them into one access that reads and writes, so the task
+/// waits for the writer before it and the readers after it wait for it, in
+/// every mode.
+#[test]
+fn a_var_named_several_times_by_one_task_is_one_read_write_access() {
+    for mode in [Mode::Lazy, Mode::Async, Mode::Sync] {
+        let e = engine(mode, 2);
+        let x = e.var(1u64);
+        for step in 0..50u64 {
+            let mut t = e.task("slow_write");
+            let w = t.write(&x);
+            t.push(move || {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+                *w.write() += step;
+            })
+            .unwrap();
+            let mut t = e.task("named_thrice");
+            let r1 = t.read(&x);
+            let w = t.write(&x);
+            let r2 = t.read(&x);
+            t.push(move || {
+                drop((r1, r2));
+                *w.write() *= 2;
+            })
+            .unwrap();
+        }
+        let mut expected = 1u64;
+        for step in 0..50u64 {
+            expected = (expected + step) * 2 % (1 << 40);
+        }
+        let got = x.get().unwrap() % (1 << 40);
+        assert_eq!(got, expected, "{mode:?}");
+    }
+}

@@ -370,7 +370,7 @@ impl DeviceBatch {
         t.device(self.device).weight(ops.len() as u32);
         // Distinct: `Open::note` names each Var once.
         for (var, read, write) in vars {
-            t.declare_distinct(var, *read, *write);
+            t.declare_unchecked(var, *read, *write);
         }
         let Some(gpu) = gpu else {
             let places = vars.len();
