@@ -30,3 +30,13 @@ pub(crate) fn fence_seq_cst() {
     #[cfg(not(loom))]
     std::sync::atomic::fence(Ordering::SeqCst);
 }
+
+/// The data of a mutex reached through `&mut` (no locking), ignoring poisoning
+/// as [`lock`] does.
+#[inline]
+pub(crate) fn get_mut<T>(m: &mut Mutex<T>) -> &mut T {
+    match m.get_mut() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}

@@ -31,7 +31,7 @@ mod analysis;
 
 use crate::error::{Error, Location, SharedError};
 use crate::sync::{
-    fence_seq_cst, lock, Arc, AtomicBool, AtomicU32, Condvar, Mutex, MutexGuard, Ordering,
+    fence_seq_cst, get_mut, lock, Arc, AtomicBool, AtomicU32, Condvar, Mutex, MutexGuard, Ordering,
 };
 use smallvec::SmallVec;
 
@@ -65,6 +65,14 @@ pub(crate) enum Outcome {
     Skipped(SharedError),
 }
 
+/// The bit of a [`Node::dep_keys`] entry that says the node reads what that
+/// dependency writes (a failure there skips it). Node addresses are aligned,
+/// so the bit is free.
+const READS: usize = 1;
+
+/// Dependencies above which [`Node::fill`] makes room for all at once.
+const MANY_DEPS: usize = 8;
+
 /// One unit of [`Node::pending`] held while the node is being recorded.
 const RECORDING: u32 = 1;
 /// One unit of [`Node::pending`] held until the node is demanded.
@@ -96,9 +104,10 @@ pub(crate) struct Node<J> {
     failed: AtomicBool,
     /// The Vars it writes, by address (deadlock checks of blockers).
     writes: SmallVec<[usize; 2]>,
-    /// The addresses of the nodes it waited for when recorded (fixed, read
-    /// without the lock; compared only with nodes the caller holds, whose
-    /// addresses no other node can have taken).
+    /// The addresses of the nodes it waited for when recorded, in the order
+    /// of `State::deps`, each with [`READS`] set if it reads what that node
+    /// writes (fixed, read without the lock; compared only with nodes the
+    /// caller holds, whose addresses no other node can have taken).
     dep_keys: SmallVec<[usize; 2]>,
     state: Mutex<State<J>>,
 }
@@ -127,6 +136,100 @@ struct State<J> {
 }
 
 impl<J> Node<J> {
+    /// A node with no job, as if finished: [`Node::fill`] makes it a new one.
+    fn blank(meta: NodeMeta) -> Self {
+        Node {
+            meta,
+            pending: AtomicU32::new(0),
+            demanded: AtomicBool::new(false),
+            done: AtomicBool::new(true),
+            has_waiters: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            writes: SmallVec::new(),
+            dep_keys: SmallVec::new(),
+            state: Mutex::new(State {
+                closed: false,
+                job: None,
+                spent: None,
+                skip: None,
+                err: None,
+                deps: SmallVec::new(),
+                dependents: SmallVec::new(),
+                waiters: SmallVec::new(),
+            }),
+        }
+    }
+
+    /// Makes this node (new, or finished and reached by nobody else) the one
+    /// recorded for `accesses`, whose queues are locked in `guards`: it waits
+    /// for the unfinished nodes it conflicts with, and its count is theirs
+    /// plus `hold` (the units of [`RECORDING`] and [`UNDEMANDED`] it starts
+    /// with; `demanded` is whether [`UNDEMANDED`] is left out).
+    fn fill(
+        &mut self,
+        meta: NodeMeta,
+        job: J,
+        hold: u32,
+        accesses: &[Access<'_, J>],
+        guards: &mut [MutexGuard<'_, VarState<J>>],
+        most_deps: usize,
+    ) {
+        self.meta = meta;
+        self.demanded.store(hold == RECORDING, Ordering::Relaxed);
+        self.done.store(false, Ordering::Relaxed);
+        self.has_waiters.store(false, Ordering::Relaxed);
+        self.failed.store(false, Ordering::Relaxed);
+        self.writes.clear();
+        self.dep_keys.clear();
+        let st = get_mut(&mut self.state);
+        st.closed = false;
+        st.job = Some(job);
+        st.spent = None;
+        st.skip = None;
+        st.err = None;
+        st.deps.clear();
+        st.dependents.clear();
+        st.waiters.clear();
+        // Room made once for a node of many accesses (or dependencies), which
+        // would otherwise grow each list by reallocation, costlier than the
+        // rest of the record. Not for a few: `most_deps` is a bound, and room
+        // made for 3 of which 2 were needed spilled lists that fit in place.
+        if most_deps > MANY_DEPS {
+            st.deps.reserve(most_deps);
+            self.dep_keys.reserve(most_deps);
+        }
+        let keys = &mut self.dep_keys;
+        let mut add = |d: &NodeRef<J>, reads: bool| {
+            let key = d.key();
+            match keys.iter_mut().find(|k| **k & !READS == key) {
+                Some(k) => *k |= if reads { READS } else { 0 },
+                None => {
+                    st.deps.push(d.clone());
+                    keys.push(key | if reads { READS } else { 0 });
+                }
+            }
+        };
+        for (a, v) in accesses.iter().zip(guards.iter_mut()) {
+            v.settle();
+            match &v.last_writer {
+                Some(w) => add(w, a.read),
+                None => {
+                    if a.read && st.skip.is_none() {
+                        st.skip.clone_from(&v.poison);
+                    }
+                }
+            }
+            if a.write {
+                self.writes.push(a.var.key());
+                for r in v.readers.iter().filter(|r| !r.is_done()) {
+                    add(r, false);
+                }
+            }
+        }
+        self.pending
+            .store(st.deps.len() as u32 + hold, Ordering::Relaxed);
+    }
+
     /// Whether the node has completed (Acquire: its outcome is visible then).
     #[inline]
     pub(crate) fn is_done(&self) -> bool {
@@ -188,7 +291,7 @@ impl<J> Node<J> {
     /// Whether it waited for `other` directly when it was recorded (`other`
     /// held by the caller).
     pub(crate) fn waits_for(&self, other: &Node<J>) -> bool {
-        self.dep_keys.contains(&other.key())
+        self.dep_keys.iter().any(|&k| k & !READS == other.key())
     }
 
     /// Whether it was demanded.
@@ -342,89 +445,30 @@ pub(crate) fn record<J>(
             }
         });
     }
-    // Plain pushes, not `collect`: this is the hot path of every record, and
-    // the collects of a few elements cost more than the work itself.
-    // Room made once: a node of many accesses (or dependencies) would otherwise
-    // grow each list by reallocation, which cost more than the rest of the record.
     let mut guards: SmallVec<[MutexGuard<'_, VarState<J>>; 4]> =
         SmallVec::with_capacity(accesses.len());
-    let mut writes: SmallVec<[usize; 2]> = SmallVec::new();
     let mut most_deps = 0;
     for a in accesses.iter() {
         let v = lock(&a.var.inner);
         most_deps += 1 + if a.write { v.readers.len() } else { 0 };
         guards.push(v);
-        if a.write {
-            writes.push(a.var.key());
-        }
     }
 
-    let mut deps: SmallVec<[(NodeRef<J>, bool); 4]> = SmallVec::with_capacity(most_deps);
-    let mut skip: Option<SharedError> = None;
-    let add = |deps: &mut SmallVec<[(NodeRef<J>, bool); 4]>, d: &NodeRef<J>, reads: bool| match deps
-        .iter_mut()
-        .find(|(n, _)| Arc::ptr_eq(n, d))
-    {
-        Some((_, r)) => *r |= reads,
-        None => deps.push((d.clone(), reads)),
-    };
-    for (a, v) in accesses.iter().zip(guards.iter_mut()) {
-        v.settle();
-        match &v.last_writer {
-            Some(w) => add(&mut deps, w, a.read),
-            None => {
-                if a.read && skip.is_none() {
-                    skip.clone_from(&v.poison);
-                }
-            }
+    // A spare is filled in place, field by field: building a new node and
+    // moving it over the spare dropped the old one's lists and copied the
+    // whole node, a third of the record's instructions.
+    let mut spare = spare;
+    let hold = RECORDING + if demanded { 0 } else { UNDEMANDED };
+    let node = match spare.as_mut().and_then(Arc::get_mut) {
+        Some(slot) if slot.done.load(Ordering::Relaxed) => {
+            slot.fill(meta, job, hold, accesses, &mut guards, most_deps);
+            spare.expect("matched above")
         }
-        if a.write {
-            for r in v.readers.iter().filter(|r| !r.is_done()) {
-                add(&mut deps, r, false);
-            }
+        _ => {
+            let mut fresh = Node::blank(meta);
+            fresh.fill(meta, job, hold, accesses, &mut guards, most_deps);
+            Arc::new(fresh)
         }
-    }
-    // The references move into the node's list: the joins below reach the
-    // dependencies through it, so an edge costs one reference here and one in
-    // the dependency's list, not four changes of shared counts.
-    let mut dep_keys: SmallVec<[usize; 2]> = SmallVec::with_capacity(deps.len());
-    let mut dep_reads: SmallVec<[bool; 32]> = SmallVec::with_capacity(deps.len());
-    let mut dep_refs: SmallVec<[NodeRef<J>; 2]> = SmallVec::with_capacity(deps.len());
-    for (d, reads) in deps {
-        dep_keys.push(d.key());
-        dep_reads.push(reads);
-        dep_refs.push(d);
-    }
-    let hold = dep_refs.len() as u32 + RECORDING + if demanded { 0 } else { UNDEMANDED };
-    let fresh = Node {
-        meta,
-        pending: AtomicU32::new(hold),
-        demanded: AtomicBool::new(demanded),
-        done: AtomicBool::new(false),
-        has_waiters: AtomicBool::new(false),
-        failed: AtomicBool::new(false),
-        writes,
-        dep_keys,
-        state: Mutex::new(State {
-            closed: false,
-            job: Some(job),
-            spent: None,
-            skip,
-            err: None,
-            deps: dep_refs,
-            dependents: SmallVec::new(),
-            waiters: SmallVec::new(),
-        }),
-    };
-    let node = match spare {
-        Some(mut n) => match Arc::get_mut(&mut n) {
-            Some(slot) if slot.done.load(Ordering::Relaxed) => {
-                *slot = fresh;
-                n
-            }
-            _ => Arc::new(fresh),
-        },
-        None => Arc::new(fresh),
     };
     for (a, v) in accesses.iter().zip(guards.iter_mut()) {
         if a.write {
@@ -452,7 +496,8 @@ pub(crate) fn record<J>(
     {
         let mut mine = lock(&node.state);
         let mine = &mut *mine;
-        for (d, &reads) in mine.deps.iter().zip(&dep_reads) {
+        for (d, &key) in mine.deps.iter().zip(&node.dep_keys) {
+            let reads = key & READS != 0;
             let mut s = lock(&d.state);
             if s.closed {
                 if reads && d.failed.load(Ordering::Relaxed) && mine.skip.is_none() {
