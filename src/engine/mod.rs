@@ -858,12 +858,7 @@ impl Shared {
     where
         F: FnOnce() -> std::result::Result<(), String> + Send + 'static,
     {
-        let spare = recycle::take().and_then(graph::reclaim);
-        let (spare, spent) = match spare {
-            Some((node, spent)) => (Some(node), spent),
-            None => (None, None),
-        };
-        self.record_job(meta, accesses, job(f, spent), spare)
+        self.record_job(meta, accesses, move |spent| job(f, spent), recycle::take())
     }
 
     /// Records a node whose job finishes through a [`Completion`]. With
@@ -878,18 +873,21 @@ impl Shared {
     where
         F: FnOnce(Completion) + Send + 'static,
     {
-        let node = self.record_job(meta, accesses, deferred_job(f), None)?;
+        let node = self.record_job(meta, accesses, move |_| deferred_job(f), None)?;
         if eager && self.config.mode == Mode::Lazy && !node.is_done() {
             self.demand(std::slice::from_ref(&node));
         }
         Ok(node)
     }
 
+    /// Records a node whose job `job` makes from the spent job of `spare`
+    /// (a node of the recording thread's bin, reused if it is finished and
+    /// nobody else holds it).
     pub(crate) fn record_job(
         &self,
         meta: NodeMeta,
         accesses: &mut SmallVec<[Access<'_>; 4]>,
-        job: Job,
+        job: impl FnOnce(Option<Job>) -> Job,
         spare: Option<NodeRef>,
     ) -> Result<NodeRef> {
         let mode = self.config.mode;

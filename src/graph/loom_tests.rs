@@ -26,8 +26,8 @@ fn access(var: &VarQueue<u32>, read: bool, write: bool) -> SmallVec<[Access<'_, 
 fn the_dependency_count_hands_a_node_out_once() {
     loom::model(|| {
         let (x, y) = (VarQueue::<u32>::default(), VarQueue::<u32>::default());
-        let (a, ready_a) = record(meta("a"), &mut access(&x, false, true), 1, true, None);
-        let (b, ready_b) = record(meta("b"), &mut access(&y, false, true), 2, true, None);
+        let (a, ready_a) = record(meta("a"), &mut access(&x, false, true), |_| 1, true, None);
+        let (b, ready_b) = record(meta("b"), &mut access(&y, false, true), |_| 2, true, None);
         assert!(ready_a && ready_b);
         let mut both = access(&x, true, false);
         both.push(Access {
@@ -35,7 +35,7 @@ fn the_dependency_count_hands_a_node_out_once() {
             read: true,
             write: false,
         });
-        let (c, ready_c) = record(meta("c"), &mut both, 3, true, None);
+        let (c, ready_c) = record(meta("c"), &mut both, |_| 3, true, None);
         assert!(!ready_c);
         let handed = Arc::new(AtomicUsize::new(0));
         let (a2, h2) = (a.clone(), handed.clone());
@@ -62,7 +62,7 @@ fn the_dependency_count_hands_a_node_out_once() {
 fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
     loom::model(|| {
         let x = Arc::new(VarQueue::<u32>::default());
-        let (w, ready) = record(meta("w"), &mut access(&x, false, true), 1, true, None);
+        let (w, ready) = record(meta("w"), &mut access(&x, false, true), |_| 1, true, None);
         assert!(ready);
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
@@ -77,7 +77,7 @@ fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
             }
             got
         });
-        let (r, ready) = record(meta("r"), &mut access(&x, true, false), 2, true, None);
+        let (r, ready) = record(meta("r"), &mut access(&x, true, false), |_| 2, true, None);
         if ready {
             handed.fetch_add(1, Ordering::SeqCst);
         }
@@ -109,7 +109,7 @@ fn crossed_records_never_wire_a_cycle() {
                 read: false,
                 write: true,
             });
-            record(meta("n1"), &mut a, 1, true, None)
+            record(meta("n1"), &mut a, |_| 1, true, None)
         });
         let mut a = access(&y, true, false);
         a.push(Access {
@@ -117,7 +117,7 @@ fn crossed_records_never_wire_a_cycle() {
             read: false,
             write: true,
         });
-        let (n2, ready2) = record(meta("n2"), &mut a, 2, true, None);
+        let (n2, ready2) = record(meta("n2"), &mut a, |_| 2, true, None);
         let (n1, ready1) = t.join().unwrap();
         // Exactly one is ready; completing it releases the other.
         assert!(ready1 ^ ready2);
@@ -136,7 +136,7 @@ fn crossed_records_never_wire_a_cycle() {
 fn the_blocker_latch_is_never_missed() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (n, _) = record(meta("n"), &mut access(&x, false, true), 1, true, None);
+        let (n, _) = record(meta("n"), &mut access(&x, false, true), |_| 1, true, None);
         let n2 = n.clone();
         let t = loom::thread::spawn(move || {
             complete(&n2, Outcome::Done, None, &mut |_| {}).wake();
@@ -156,9 +156,9 @@ fn the_blocker_latch_is_never_missed() {
 fn demand_racing_with_completion_hands_out_once() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (w, ready) = record(meta("w"), &mut access(&x, false, true), 1, true, None);
+        let (w, ready) = record(meta("w"), &mut access(&x, false, true), |_| 1, true, None);
         assert!(ready);
-        let (r, ready) = record(meta("r"), &mut access(&x, true, false), 2, false, None);
+        let (r, ready) = record(meta("r"), &mut access(&x, true, false), |_| 2, false, None);
         assert!(!ready);
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
@@ -177,13 +177,13 @@ fn demand_racing_with_completion_hands_out_once() {
 }
 
 /// A node completes and its last other reference goes away on another thread
-/// while the recorder tries to reclaim it: it is reclaimed only once nobody
+/// while the recorder records into it: its memory is reused only once nobody
 /// else holds it and it finished, and its spent job comes with it.
 #[test]
-fn a_node_is_reclaimed_only_once_finished_and_let_go() {
+fn a_node_is_recorded_into_only_once_finished_and_let_go() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (n, ready) = record(meta("n"), &mut access(&x, false, true), 1, true, None);
+        let (n, ready) = record(meta("n"), &mut access(&x, false, true), |_| 1, true, None);
         assert!(ready);
         // Dropping the Var lets go of its reference (as its last writer): the
         // worker's and the recorder's are the only ones left.
@@ -194,20 +194,26 @@ fn a_node_is_reclaimed_only_once_finished_and_let_go() {
             complete(&worker, Outcome::Done, Some(job * 10), &mut |_| {}).wake();
             drop(worker);
         });
-        if let Some((spare, spent)) = reclaim(n) {
-            assert!(spare.is_done());
-            assert_eq!(spent, Some(10));
-            let y = VarQueue::<u32>::default();
-            let (m, ready) = record(
-                meta("m"),
-                &mut access(&y, false, true),
-                2,
-                true,
-                Some(spare),
-            );
-            assert!(ready && !m.is_done());
-            assert_eq!(m.take_job().unwrap().0, 2);
+        let at = n.key();
+        let y = VarQueue::<u32>::default();
+        let mut seen = None;
+        let (m, ready) = record(
+            meta("m"),
+            &mut access(&y, false, true),
+            |spent| {
+                seen = spent;
+                2
+            },
+            true,
+            Some(n),
+        );
+        assert!(ready && !m.is_done());
+        if m.key() == at {
+            assert_eq!(seen, Some(10), "reused only after its completion");
+        } else {
+            assert_eq!(seen, None);
         }
+        assert_eq!(m.take_job().unwrap().0, 2);
         t.join().unwrap();
     });
 }

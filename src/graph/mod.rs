@@ -119,7 +119,7 @@ struct State<J> {
     /// `None` once handed out.
     job: Option<J>,
     /// The job after it ran, given back by [`complete`]: its allocation may hold
-    /// the job of the next node recorded in this node's memory (see [`reclaim`]).
+    /// the job of the next node recorded in this node's memory (see [`record`]).
     spent: Option<J>,
     /// The failure of an input: the node is skipped instead of run.
     skip: Option<SharedError>,
@@ -421,16 +421,30 @@ pub(crate) struct Access<'a, J> {
 ///
 /// `spare`: a finished node nothing else refers to any more, whose memory the
 /// new node reuses (see `engine/recycle.rs`); it is checked here, and a node
-/// still shared is left alone and a new one allocated.
+/// still shared or unfinished is left alone and a new one allocated. `job`
+/// makes the node's job from the spare's spent job, if it is reused and one
+/// was given back (its allocation may hold the new job).
 ///
 /// Returns the node and whether it is ready now (the caller hands it out).
 pub(crate) fn record<J>(
     meta: NodeMeta,
     accesses: &mut SmallVec<[Access<'_, J>; 4]>,
-    job: J,
+    job: impl FnOnce(Option<J>) -> J,
     demanded: bool,
     spare: Option<NodeRef<J>>,
 ) -> (NodeRef<J>, bool) {
+    // The one check that the spare is ours: `get_mut` proves nobody else can
+    // reach it, and the reference it gives is held until the node is filled.
+    let mut spare = spare;
+    let mut slot = spare
+        .as_mut()
+        .and_then(Arc::get_mut)
+        .filter(|n| n.done.load(Ordering::Relaxed));
+    // Made before any lock is taken: it may allocate.
+    let job = job(slot
+        .as_mut()
+        .and_then(|n| get_mut(&mut n.state).spent.take()));
+
     // Address order, duplicates merged: every recorder locks shared Vars in the
     // same order, so two records that share Vars are serialized, never crossed.
     if accesses.len() > 1 {
@@ -457,14 +471,13 @@ pub(crate) fn record<J>(
     // A spare is filled in place, field by field: building a new node and
     // moving it over the spare dropped the old one's lists and copied the
     // whole node, a third of the record's instructions.
-    let mut spare = spare;
     let hold = RECORDING + if demanded { 0 } else { UNDEMANDED };
-    let node = match spare.as_mut().and_then(Arc::get_mut) {
-        Some(slot) if slot.done.load(Ordering::Relaxed) => {
+    let node = match slot {
+        Some(slot) => {
             slot.fill(meta, job, hold, accesses, &mut guards, most_deps);
             spare.expect("matched above")
         }
-        _ => {
+        None => {
             let mut fresh = Node::blank(meta);
             fresh.fill(meta, job, hold, accesses, &mut guards, most_deps);
             Arc::new(fresh)
@@ -511,18 +524,6 @@ pub(crate) fn record<J>(
     }
     let ready = node.pending.fetch_sub(released, Ordering::AcqRel) == released;
     (node, ready)
-}
-
-/// A finished node that nothing else refers to, with its spent job, ready to be
-/// passed to [`record`] as its spare; `None` if it is shared or unfinished (it
-/// is dropped then).
-pub(crate) fn reclaim<J>(mut spare: NodeRef<J>) -> Option<(NodeRef<J>, Option<J>)> {
-    let node = Arc::get_mut(&mut spare)?;
-    if !node.done.load(Ordering::Relaxed) {
-        return None;
-    }
-    let spent = lock(&node.state).spent.take();
-    Some((spare, spent))
 }
 
 /// Marks `roots` and every unfinished node they wait for as demanded and hands

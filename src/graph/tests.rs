@@ -24,7 +24,7 @@ fn rec(name: &'static str, reads: &[&Q], writes: &[&Q], job: u32) -> NodeRef<u32
         read: false,
         write: true,
     }));
-    let (node, ready) = record(meta(name), &mut acc, job, false, None);
+    let (node, ready) = record(meta(name), &mut acc, |_| job, false, None);
     assert!(!ready, "a Lazy node is not ready before it is demanded");
     node
 }
@@ -89,7 +89,7 @@ fn a_node_demanded_at_record_is_ready_at_once() {
         read: true,
         write: true,
     });
-    let (a, ready) = record(meta("a"), &mut acc, 1, true, None);
+    let (a, ready) = record(meta("a"), &mut acc, |_| 1, true, None);
     assert!(ready);
     let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
     acc.push(Access {
@@ -97,7 +97,7 @@ fn a_node_demanded_at_record_is_ready_at_once() {
         read: true,
         write: false,
     });
-    let (b, ready) = record(meta("b"), &mut acc, 2, true, None);
+    let (b, ready) = record(meta("b"), &mut acc, |_| 2, true, None);
     assert!(!ready, "b reads what a writes");
     assert_eq!(finish(&a, Outcome::Done).len(), 1);
     assert!(finish(&b, Outcome::Done).is_empty());
@@ -236,52 +236,78 @@ fn a_waiter_is_woken_by_the_completion() {
     assert!(!a.add_waiter(&latch), "a finished node takes no waiters");
 }
 
+/// Records a demanded write of `var` into `spare`: the node, and the spent job
+/// its job was made from (`None` if the spare was not reused or gave none).
+fn rec_into(var: &Q, spare: NodeRef<u32>, job: u32) -> (NodeRef<u32>, Option<u32>) {
+    let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
+    acc.push(Access {
+        var,
+        read: false,
+        write: true,
+    });
+    let mut seen = None;
+    let (node, ready) = record(
+        meta("into"),
+        &mut acc,
+        |spent| {
+            seen = spent;
+            job
+        },
+        true,
+        Some(spare),
+    );
+    assert!(ready);
+    (node, seen)
+}
+
 #[test]
 fn a_finished_node_nothing_else_holds_is_recorded_into_again() {
-    let (x, y) = (Q::default(), Q::default());
+    let (x, y, z) = (Q::default(), Q::default(), Q::default());
     let a = rec("a", &[], &[&x], 1);
     demanded(std::slice::from_ref(&a));
     finish(&a, Outcome::Done);
     let at = a.key();
-    // Shared (x's last writer, and this clone): not reclaimed.
-    assert!(reclaim(a.clone()).is_none());
+    // Shared (x's last writer, and this clone): a new node is allocated.
+    let (fresh, spent) = rec_into(&z, a.clone(), 4);
+    assert_ne!(fresh.key(), at, "a shared spare is left alone");
+    assert_eq!(spent, None);
+    assert_eq!(fresh.take_job().unwrap().0, 4);
     // Once x's next writer replaces it, only `a` holds it (a finished writer
     // is not waited for).
     let b = rec("b", &[], &[&x], 2);
     assert!(!b.waits_for(&a));
-    let (spare, spent) = reclaim(a).expect("finished and held by nobody else");
+    let (c, spent) = rec_into(&y, a, 3);
     assert_eq!(spent, None, "no spent job was given back");
-    let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
-    acc.push(Access {
-        var: &y,
-        read: false,
-        write: true,
-    });
-    let (c, ready) = record(meta("c"), &mut acc, 3, true, Some(spare));
-    assert!(ready);
     assert_eq!(c.key(), at, "the new node lives in the spare's memory");
-    assert_eq!(c.meta.name, "c");
+    assert_eq!(c.meta.name, "into");
     assert!(!c.is_done() && c.error().is_none() && c.deps().is_empty());
     assert_eq!(c.take_job().unwrap().0, 3);
 }
 
 #[test]
-fn an_unfinished_or_shared_node_is_not_reclaimed() {
-    let x = Q::default();
+fn an_unfinished_or_shared_node_is_not_recorded_into() {
+    let (x, y) = (Q::default(), Q::default());
     let a = rec("a", &[], &[&x], 1);
     let b = rec("b", &[], &[&x], 2);
     // `a` is unfinished (and `b` waits for it).
-    assert!(reclaim(a.clone()).is_none());
+    let at = a.key();
+    let (n, spent) = rec_into(&y, a.clone(), 5);
+    assert!(n.key() != at && spent.is_none());
+    assert!(!a.is_done(), "the unfinished spare is untouched");
     demanded(std::slice::from_ref(&b));
     let released = finish(&a, Outcome::Done);
     assert_eq!(jobs(released), vec![2]);
     // `b` is the last writer of x, and unfinished.
-    assert!(reclaim(b).is_none());
-    // The spent job given back on completion comes out with the node.
+    let bt = b.key();
+    let (n, _) = rec_into(&Q::default(), b, 6);
+    assert_ne!(n.key(), bt);
+    // The spent job given back on completion comes with the node's memory.
     let c = rec("c", &[], &[&Q::default()], 3);
     demanded(std::slice::from_ref(&c));
     let mut ready = Vec::new();
     complete(&c, Outcome::Done, Some(30), &mut |r| ready.push(r)).wake();
-    let (_, spent) = reclaim(c).expect("finished, held by nobody else");
-    assert_eq!(spent, Some(30));
+    let ct = c.key();
+    let (d, spent) = rec_into(&Q::default(), c, 7);
+    assert_eq!((d.key(), spent), (ct, Some(30)));
+    assert_eq!(d.take_job().unwrap().0, 7);
 }
