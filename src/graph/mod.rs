@@ -187,9 +187,8 @@ impl<J> Node<J> {
         st.spent = None;
         st.skip = None;
         st.err = None;
-        st.deps.clear();
-        st.dependents.clear();
-        st.waiters.clear();
+        // Emptied when the node completed (its lists) and woke (its waiters).
+        debug_assert!(st.deps.is_empty() && st.dependents.is_empty() && st.waiters.is_empty());
         // Room made once for a node of many accesses (or dependencies), which
         // would otherwise grow each list by reallocation, costlier than the
         // rest of the record. Not for a few: `most_deps` is a bound, and room
