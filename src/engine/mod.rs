@@ -986,19 +986,21 @@ impl Shared {
         }
         // The node is counted out and marked finished before any dependent it
         // releases is handed out: nobody sees a dependent run while the node
-        // still looks unfinished.
-        let mut released: SmallVec<[NodeRef; 4]> = SmallVec::new();
-        let finished = graph::complete(node, outcome, spent, &mut |r| released.push(r));
+        // still looks unfinished. The first one released runs next on this
+        // thread; the others are published.
+        let finished = graph::complete(node, outcome, spent);
         let weight = node.meta.weight as usize;
         let live = self.live.fetch_sub(weight, Ordering::SeqCst) - weight;
-        finished.wake();
-        let mut released = released.into_iter();
-        let next = released.next();
+        let mut next = None;
         let mut pushed = 0;
-        for r in released {
-            self.pool.publish(r);
-            pushed += 1;
-        }
+        finished.wake(&mut |r| {
+            if next.is_none() {
+                next = Some(r);
+            } else {
+                self.pool.publish(r);
+                pushed += 1;
+            }
+        });
         self.pool.wake(pushed);
         if live <= self.resume_at
             && wants_notify(

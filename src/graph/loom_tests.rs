@@ -40,15 +40,13 @@ fn the_dependency_count_hands_a_node_out_once() {
         let handed = Arc::new(AtomicUsize::new(0));
         let (a2, h2) = (a.clone(), handed.clone());
         let t = loom::thread::spawn(move || {
-            complete(&a2, Outcome::Done, None, &mut |_| {
+            complete(&a2, Outcome::Done, None).wake(&mut |_| {
                 h2.fetch_add(1, Ordering::SeqCst);
-            })
-            .wake();
+            });
         });
-        complete(&b, Outcome::Done, None, &mut |_| {
+        complete(&b, Outcome::Done, None).wake(&mut |_| {
             handed.fetch_add(1, Ordering::SeqCst);
-        })
-        .wake();
+        });
         t.join().unwrap();
         assert_eq!(handed.load(Ordering::SeqCst), 1);
         assert!(a.is_done() && b.is_done() && !c.is_done());
@@ -68,10 +66,7 @@ fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
         let (w2, h2) = (w.clone(), handed.clone());
         let t = loom::thread::spawn(move || {
             let mut got = None;
-            complete(&w2, Outcome::Failed("boom".into()), None, &mut |r| {
-                got = Some(r)
-            })
-            .wake();
+            complete(&w2, Outcome::Failed("boom".into()), None).wake(&mut |r| got = Some(r));
             if got.is_some() {
                 h2.fetch_add(1, Ordering::SeqCst);
             }
@@ -123,7 +118,7 @@ fn crossed_records_never_wire_a_cycle() {
         assert!(ready1 ^ ready2);
         let (first, second) = if ready1 { (n1, n2) } else { (n2, n1) };
         let mut released = Vec::new();
-        complete(&first, Outcome::Done, None, &mut |r| released.push(r)).wake();
+        complete(&first, Outcome::Done, None).wake(&mut |r| released.push(r));
         assert_eq!(released.len(), 1);
         assert!(Arc::ptr_eq(&released[0], &second));
     });
@@ -139,7 +134,7 @@ fn the_blocker_latch_is_never_missed() {
         let (n, _) = record(meta("n"), &mut access(&x, false, true), |_| 1, true, None);
         let n2 = n.clone();
         let t = loom::thread::spawn(move || {
-            complete(&n2, Outcome::Done, None, &mut |_| {}).wake();
+            complete(&n2, Outcome::Done, None).wake(&mut |_| {});
         });
         let latch = Arc::new(Latch::default());
         if n.add_waiter(&latch) {
@@ -163,10 +158,9 @@ fn demand_racing_with_completion_hands_out_once() {
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
         let t = loom::thread::spawn(move || {
-            complete(&w2, Outcome::Done, None, &mut |_| {
+            complete(&w2, Outcome::Done, None).wake(&mut |_| {
                 h2.fetch_add(1, Ordering::SeqCst);
-            })
-            .wake();
+            });
         });
         demand(&[r.clone()], &mut |_| {
             handed.fetch_add(1, Ordering::SeqCst);
@@ -191,7 +185,7 @@ fn a_node_is_recorded_into_only_once_finished_and_let_go() {
         let worker = n.clone();
         let t = loom::thread::spawn(move || {
             let (job, _) = worker.take_job().unwrap();
-            complete(&worker, Outcome::Done, Some(job * 10), &mut |_| {}).wake();
+            complete(&worker, Outcome::Done, Some(job * 10)).wake(&mut |_| {});
             drop(worker);
         });
         let at = n.key();

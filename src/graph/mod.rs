@@ -574,14 +574,25 @@ fn demand_from<J>(
 }
 
 /// A completed node, to mark finished once the caller has counted it out (a
-/// blocker that returns must not see it still counted live): [`Finished::wake`]
-/// sets [`Node::is_done`] and wakes the blockers.
+/// blocker that returns must not see it still counted live):
+/// [`Finished::wake`] sets [`Node::is_done`], wakes the blockers and then
+/// releases the dependents, so that none is handed out while the node still
+/// looks unfinished.
 #[must_use = "the node must be marked finished"]
-pub(crate) struct Finished<'a, J>(&'a Node<J>);
+pub(crate) struct Finished<'a, J> {
+    node: &'a Node<J>,
+    /// Taken from the node when it closed: its units are still held here.
+    dependents: SmallVec<[(NodeRef<J>, bool); 2]>,
+    /// The failure that skips the dependents that read what the node wrote.
+    err: Option<SharedError>,
+}
 
 impl<J> Finished<'_, J> {
-    pub(crate) fn wake(self) {
-        let node = self.0;
+    /// Marks the node finished, wakes its blockers and releases its
+    /// dependents (those that become ready go to `ready`, the first one
+    /// released first).
+    pub(crate) fn wake(self, ready: &mut impl FnMut(NodeRef<J>)) {
+        let node = self.node;
         node.done.store(true, Ordering::Release);
         fence_seq_cst();
         if node.has_waiters.load(Ordering::Relaxed) {
@@ -590,18 +601,31 @@ impl<J> Finished<'_, J> {
                 w.set();
             }
         }
+        for (d, reads) in self.dependents {
+            if reads {
+                if let Some(e) = &self.err {
+                    let mut s = lock(&d.state);
+                    if s.skip.is_none() {
+                        s.skip = Some(e.clone());
+                    }
+                }
+            }
+            if d.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+                ready(d);
+            }
+        }
     }
 }
 
 /// Completes a node that ran (or was skipped): stores its outcome (and the spent
-/// job, if the caller gives it back) and releases its dependents (those that
-/// become ready go to `ready`). The caller marks it finished with the result.
-pub(crate) fn complete<'a, J>(
-    node: &'a NodeRef<J>,
+/// job, if the caller gives it back) and closes its list of dependents. The
+/// caller counts it out of its own books, then [`Finished::wake`] marks it
+/// finished and releases the dependents.
+pub(crate) fn complete<J>(
+    node: &NodeRef<J>,
     outcome: Outcome,
     spent: Option<J>,
-    ready: &mut impl FnMut(NodeRef<J>),
-) -> Finished<'a, J> {
+) -> Finished<'_, J> {
     let err: Option<SharedError> = match outcome {
         Outcome::Done => None,
         Outcome::Failed(message) => Some(std::sync::Arc::new(Error::Failed {
@@ -623,20 +647,11 @@ pub(crate) fn complete<'a, J>(
         )
     };
     drop(deps);
-    for (d, reads) in dependents {
-        if reads {
-            if let Some(e) = &err {
-                let mut s = lock(&d.state);
-                if s.skip.is_none() {
-                    s.skip = Some(e.clone());
-                }
-            }
-        }
-        if d.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
-            ready(d);
-        }
+    Finished {
+        node,
+        dependents,
+        err,
     }
-    Finished(node)
 }
 
 /// `roots` and every unfinished node they wait for, directly or not, by

@@ -39,7 +39,7 @@ fn demanded(roots: &[NodeRef<u32>]) -> Vec<u32> {
 
 fn finish(n: &NodeRef<u32>, outcome: Outcome) -> Vec<NodeRef<u32>> {
     let mut ready = Vec::new();
-    complete(n, outcome, None, &mut |r| ready.push(r)).wake();
+    complete(n, outcome, None).wake(&mut |r| ready.push(r));
     ready
 }
 
@@ -305,7 +305,7 @@ fn an_unfinished_or_shared_node_is_not_recorded_into() {
     let c = rec("c", &[], &[&Q::default()], 3);
     demanded(std::slice::from_ref(&c));
     let mut ready = Vec::new();
-    complete(&c, Outcome::Done, Some(30), &mut |r| ready.push(r)).wake();
+    complete(&c, Outcome::Done, Some(30)).wake(&mut |r| ready.push(r));
     let ct = c.key();
     let (d, spent) = rec_into(&Q::default(), c, 7);
     assert_eq!((d.key(), spent), (ct, Some(30)));
