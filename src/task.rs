@@ -175,7 +175,9 @@ impl<'e> TaskBuilder<'e> {
         f: impl FnOnce() -> std::result::Result<(), E> + Send + 'static,
     ) -> Result<TaskHandle> {
         let engine = self.engine.uncounted();
-        let node = self.record(move || f().map_err(|e| e.to_string()))?;
+        let node = self
+            .record(move || f().map_err(|e| e.to_string()), true)?
+            .expect("a handle was asked for");
         if engine.mode() == Mode::Sync {
             if let Some(err) = node.error() {
                 return Err((*err).clone());
@@ -234,10 +236,13 @@ impl<'e> TaskBuilder<'e> {
     /// Records the task without a handle (the cheapest way; failures surface at the
     /// blockers of the Vars it writes).
     pub fn push(self, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        self.record(move || {
-            f();
-            Ok(())
-        })
+        self.record(
+            move || {
+                f();
+                Ok(())
+            },
+            false,
+        )
         .map(drop)
     }
 
@@ -246,16 +251,19 @@ impl<'e> TaskBuilder<'e> {
         self,
         f: impl FnOnce() -> std::result::Result<(), String> + Send + 'static,
     ) -> Result<()> {
-        self.record(f).map(drop)
+        self.record(f, false).map(drop)
     }
 
+    /// Records the task; with `handle`, returns its node (to wait on).
     #[inline]
-    fn record<F>(self, f: F) -> Result<NodeRef>
+    fn record<F>(self, f: F, handle: bool) -> Result<Option<NodeRef>>
     where
         F: FnOnce() -> std::result::Result<(), String> + Send + 'static,
     {
         let mut accesses = self.accesses()?;
-        self.engine.shared().record(self.meta, &mut accesses, f)
+        self.engine
+            .shared()
+            .record(self.meta, &mut accesses, f, handle)
     }
 
     /// The declared Vars as the graph records them, or the error for a Var

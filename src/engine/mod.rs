@@ -854,11 +854,18 @@ impl Shared {
         meta: NodeMeta,
         accesses: &mut SmallVec<[Access<'_>; 4]>,
         f: F,
-    ) -> Result<NodeRef>
+        handle: bool,
+    ) -> Result<Option<NodeRef>>
     where
         F: FnOnce() -> std::result::Result<(), String> + Send + 'static,
     {
-        self.record_job(meta, accesses, move |spent| job(f, spent), recycle::take())
+        self.record_job(
+            meta,
+            accesses,
+            move |spent| job(f, spent),
+            recycle::take(),
+            handle,
+        )
     }
 
     /// Records a node whose job finishes through a [`Completion`]. With
@@ -873,7 +880,9 @@ impl Shared {
     where
         F: FnOnce(Completion) + Send + 'static,
     {
-        let node = self.record_job(meta, accesses, move |_| deferred_job(f), None)?;
+        let node = self
+            .record_job(meta, accesses, move |_| deferred_job(f), None, true)?
+            .expect("a handle was asked for");
         if eager && self.config.mode == Mode::Lazy && !node.is_done() {
             self.demand(std::slice::from_ref(&node));
         }
@@ -889,7 +898,8 @@ impl Shared {
         accesses: &mut SmallVec<[Access<'_>; 4]>,
         job: impl FnOnce(Option<Job>) -> Job,
         spare: Option<NodeRef>,
-    ) -> Result<NodeRef> {
+        handle: bool,
+    ) -> Result<Option<NodeRef>> {
         let mode = self.config.mode;
         let weight = meta.weight as usize;
         self.throttle(weight);
@@ -903,7 +913,6 @@ impl Shared {
             .fetch_add(weight as u64, Ordering::SeqCst);
         let lazy = mode == Mode::Lazy;
         let (node, ready) = graph::record(meta, accesses, job, !lazy, spare);
-        recycle::keep(&node);
         if ready {
             self.pool.publish(node.clone());
             self.pool.wake(1);
@@ -923,9 +932,20 @@ impl Shared {
             // The node's own failure is reported by the caller through the values
             // it wrote or its task handle; a wait that cannot happen (a record
             // inside a task that depends on that task) is this call's error.
-            self.wait_for(std::iter::once(node.clone()).collect())?;
+            let waited = self.wait_for(std::iter::once(node.clone()).collect());
+            recycle::keep(&node);
+            waited?;
+            return Ok(handle.then_some(node));
         }
-        Ok(node)
+        // The bin takes the node itself when the caller wants no handle
+        // (`push`): one reference fewer to take and let go per node.
+        if handle {
+            recycle::keep(&node);
+            Ok(Some(node))
+        } else {
+            recycle::keep_owned(node);
+            Ok(None)
+        }
     }
 
     /// Stalls a frontend until `weight` more ops fit under the backpressure

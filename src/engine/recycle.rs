@@ -95,7 +95,13 @@ pub(super) fn take() -> Option<NodeRef> {
 /// Remembers a node this thread recorded.
 #[inline]
 pub(super) fn keep(node: &NodeRef) {
-    let _ = BIN.try_with(|b| b.borrow_mut().recent.push_back(node.clone()));
+    keep_owned(node.clone());
+}
+
+/// Remembers a node this thread recorded, taking the caller's reference.
+#[inline]
+pub(super) fn keep_owned(node: NodeRef) {
+    let _ = BIN.try_with(|b| b.borrow_mut().recent.push_back(node));
 }
 
 /// Lets go of what this thread's bin need not hold (after a barrier).

@@ -559,13 +559,13 @@ fn demand_from<J>(
         // Only what this walk has still to mark: a dependency demanded before
         // (by this walk or another) needs no reference taken, and most of a
         // node's dependencies are shared with its neighbours'.
-        stack.extend(
-            lock(&n.state)
-                .deps
-                .iter()
-                .filter(|d| !d.is_done() && !d.demanded.load(Ordering::Relaxed))
-                .cloned(),
-        );
+        // Plain pushes: `extend` of a filter cost as much as the rest of the
+        // step for the one or two dependencies most nodes have.
+        for d in lock(&n.state).deps.iter() {
+            if !d.is_done() && !d.demanded.load(Ordering::Relaxed) {
+                stack.push(d.clone());
+            }
+        }
         if n.pending.fetch_sub(UNDEMANDED, Ordering::AcqRel) == UNDEMANDED {
             ready(n);
         }
