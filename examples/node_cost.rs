@@ -8,12 +8,12 @@
 //! valgrind --tool=callgrind target/release/examples/node_cost chain 200000 5
 //! ```
 //!
-//! `size` is the nodes of `chain` and `wide`, the depth of `tree` (2^(depth+1)
-//! - 2 nodes) and the tasks of `many_reads` (whose unit is a declared access,
-//! about 11.5 per task). Prints ns per unit and the units run; callgrind's
-//! instruction count divided by those units (the inputs are made before the
-//! first run, in a few percent of the instructions) is the instructions per
-//! node (per access for `many_reads`).
+//! `size` is the nodes of `chain` and `wide`, the depth of `tree` (it has
+//! 2^(depth+1) nodes less 2) and the tasks of `many_reads` (whose unit is a
+//! declared access, about 11.5 per task). Prints ns per unit and the units
+//! run. Instructions per unit, leaving the setup out (the engine, the inputs):
+//! callgrind's count for 6 runs less its count for 1 run, divided by the units
+//! of 5 runs.
 
 use lazyflow::{Engine, Mode, Var};
 use rand::{rngs::StdRng, Rng, SeedableRng};
