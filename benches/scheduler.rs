@@ -10,10 +10,20 @@
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use lazyflow::{Engine, Mode, Tensor, Var};
-use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
+#[path = "../examples/demos/shapes.rs"]
+mod shapes;
+use shapes::{chain, many_reads, many_reads_inputs, random_dag, random_inputs, tree, wide};
+
 const WORKERS: usize = 2;
+
+/// Waits for everything `e` recorded (the shapes only record) and passes
+/// `nodes` through.
+fn done(e: &Engine, nodes: usize) -> usize {
+    e.wait_all().unwrap();
+    nodes
+}
 
 fn engine(mode: Mode) -> Engine {
     Engine::builder()
@@ -21,108 +31,6 @@ fn engine(mode: Mode) -> Engine {
         .workers(WORKERS)
         .build()
         .unwrap()
-}
-
-/// 1,000,000 nodes, each writing the Var the previous one wrote.
-fn chain(e: &Engine, n: usize) {
-    let x = e.var(());
-    for _ in 0..n {
-        let mut t = e.task("chain");
-        let w = t.write(&x);
-        t.push(move || drop(w)).unwrap();
-    }
-    e.wait_all().unwrap();
-}
-
-/// 1,000,000 independent nodes.
-fn wide(e: &Engine, n: usize) {
-    for _ in 0..n {
-        e.task("wide").push(|| {}).unwrap();
-    }
-    e.wait_all().unwrap();
-}
-
-/// Fan-out from one root down a binary tree to 2^(depth-1) leaves, then a second
-/// binary tree fanning those leaves back in to one node: 2^(depth+1) - 2 nodes.
-fn tree(e: &Engine, depth: u32) -> usize {
-    let mut nodes = 0;
-    let root = e.var(());
-    let mut t = e.task("root");
-    let w = t.write(&root);
-    t.push(move || drop(w)).unwrap();
-    nodes += 1;
-    let mut level = vec![root];
-    for _ in 1..depth {
-        let mut next = Vec::with_capacity(level.len() * 2);
-        for parent in &level {
-            for _ in 0..2 {
-                let child = e.var(());
-                let mut t = e.task("fan_out");
-                let (r, w) = (t.read(parent), t.write(&child));
-                t.push(move || drop((r, w))).unwrap();
-                nodes += 1;
-                next.push(child);
-            }
-        }
-        level = next;
-    }
-    // Fan-in: one node per leaf, then pairwise joins up to a single sink.
-    let mut level: Vec<Var<()>> = level
-        .iter()
-        .map(|leaf| {
-            let v = e.var(());
-            let mut t = e.task("gather");
-            let (r, w) = (t.read(leaf), t.write(&v));
-            t.push(move || drop((r, w))).unwrap();
-            nodes += 1;
-            v
-        })
-        .collect();
-    while level.len() > 1 {
-        level = level
-            .chunks(2)
-            .map(|pair| {
-                let v = e.var(());
-                let mut t = e.task("fan_in");
-                let rs: Vec<_> = pair.iter().map(|p| t.read(p)).collect();
-                let w = t.write(&v);
-                t.push(move || drop((rs, w))).unwrap();
-                nodes += 1;
-                v
-            })
-            .collect();
-    }
-    e.wait_all().unwrap();
-    nodes
-}
-
-/// Each node writes a Var of its own and reads 0 to 4 Vars written by earlier
-/// nodes (2 on average), chosen in advance.
-fn random_dag(e: &Engine, inputs: &[Vec<usize>]) {
-    let mut vars: Vec<Var<()>> = Vec::with_capacity(inputs.len());
-    for reads in inputs {
-        let v = e.var(());
-        let mut t = e.task("random");
-        let rs: Vec<_> = reads.iter().map(|&i| t.read(&vars[i])).collect();
-        let w = t.write(&v);
-        t.push(move || drop((rs, w))).unwrap();
-        vars.push(v);
-    }
-    e.wait_all().unwrap();
-}
-
-fn random_inputs(n: usize) -> Vec<Vec<usize>> {
-    let mut rng = StdRng::seed_from_u64(7);
-    (0..n)
-        .map(|i| {
-            let k = if i == 0 {
-                0
-            } else {
-                rng.random_range(0..=4usize)
-            };
-            (0..k).map(|_| rng.random_range(0..i)).collect()
-        })
-        .collect()
 }
 
 /// Async mode: each node, recorded one by one, reads what the previous wrote and
@@ -135,43 +43,6 @@ fn dynamic_chain(e: &Engine, n: usize) {
         let (r, w) = (t.read(&prev), t.write(&next));
         t.push(move || drop((r, w))).unwrap();
         prev = next;
-    }
-    e.wait_all().unwrap();
-}
-
-/// 100 Vars; each task writes one of them and reads 2 to 19 others chosen in
-/// advance (about 20 declared accesses per task with the write).
-fn many_reads_inputs(tasks: usize) -> (Vec<(usize, Vec<usize>)>, usize) {
-    let mut rng = StdRng::seed_from_u64(11);
-    let mut accesses = 0;
-    let plan = (0..tasks)
-        .map(|_| {
-            let w = rng.random_range(0..100usize);
-            let k = rng.random_range(2..=19usize);
-            let mut reads = Vec::with_capacity(k);
-            while reads.len() < k {
-                let r = rng.random_range(0..100usize);
-                if r != w && !reads.contains(&r) {
-                    reads.push(r);
-                }
-            }
-            accesses += 1 + k;
-            (w, reads)
-        })
-        .collect();
-    (plan, accesses)
-}
-
-fn many_reads(e: &Engine, vars: &[Var<u64>], plan: &[(usize, Vec<usize>)]) {
-    for (w, reads) in plan {
-        let mut t = e.task("many_reads");
-        let rs: Vec<_> = reads.iter().map(|&i| t.read(&vars[i])).collect();
-        let w = t.write(&vars[*w]);
-        t.push(move || {
-            let s: u64 = rs.iter().map(|r| *r.read()).sum();
-            *w.write() = s % 1_000_003 + 1;
-        })
-        .unwrap();
     }
     e.wait_all().unwrap();
 }
@@ -203,16 +74,18 @@ fn bench(c: &mut Criterion) {
     let lazy = engine(Mode::Lazy);
     const N: usize = 1_000_000;
     g.throughput(Throughput::Elements(N as u64));
-    g.bench_function("chain", |b| b.iter(|| chain(&lazy, N)));
-    g.bench_function("wide", |b| b.iter(|| wide(&lazy, N)));
+    g.bench_function("chain", |b| b.iter(|| done(&lazy, chain(&lazy, N))));
+    g.bench_function("wide", |b| b.iter(|| done(&lazy, wide(&lazy, N, || {}))));
 
-    let tree_nodes = tree(&lazy, 19);
+    let tree_nodes = done(&lazy, tree(&lazy, 19));
     g.throughput(Throughput::Elements(tree_nodes as u64));
-    g.bench_function("tree", |b| b.iter(|| tree(&lazy, 19)));
+    g.bench_function("tree", |b| b.iter(|| done(&lazy, tree(&lazy, 19))));
 
     let inputs = random_inputs(100_000);
     g.throughput(Throughput::Elements(inputs.len() as u64));
-    g.bench_function("random_dag", |b| b.iter(|| random_dag(&lazy, &inputs)));
+    g.bench_function("random_dag", |b| {
+        b.iter(|| done(&lazy, random_dag(&lazy, &inputs, || {})))
+    });
 
     let asynchronous = engine(Mode::Async);
     g.throughput(Throughput::Elements(100_000));
@@ -224,7 +97,9 @@ fn bench(c: &mut Criterion) {
     let (plan, accesses) = many_reads_inputs(100_000);
     let vars: Vec<Var<u64>> = (0..100).map(|_| lazy.var(0u64)).collect();
     g.throughput(Throughput::Elements(accesses as u64));
-    g.bench_function("many_reads", |b| b.iter(|| many_reads(&lazy, &vars, &plan)));
+    g.bench_function("many_reads", |b| {
+        b.iter(|| done(&lazy, many_reads(&lazy, &vars, &plan)))
+    });
 
     let asynchronous_frontends = engine(Mode::Async);
     for threads in [1, 2, 4] {

@@ -15,91 +15,11 @@
 //! callgrind's count for 6 runs less its count for 1 run, divided by the units
 //! of 5 runs.
 
+mod demos;
+
+use demos::shapes::{chain, many_reads, many_reads_inputs, tree, wide};
 use lazyflow::{Engine, Mode, Var};
-use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::time::Instant;
-
-fn chain(e: &Engine, n: usize) -> usize {
-    let x = e.var(());
-    for _ in 0..n {
-        let mut t = e.task("chain");
-        let w = t.write(&x);
-        t.push(move || drop(w)).unwrap();
-    }
-    n
-}
-
-fn wide(e: &Engine, n: usize) -> usize {
-    for _ in 0..n {
-        e.task("wide").push(|| {}).unwrap();
-    }
-    n
-}
-
-/// Fan-out from one root to 2^(depth-1) leaves, a gather node per leaf, then
-/// pairwise fan-in to one node.
-fn tree(e: &Engine, depth: u32) -> usize {
-    let mut nodes = 0;
-    let mut link = |reads: &[&Var<()>]| {
-        let v = e.var(());
-        let mut t = e.task("tree");
-        let rs: Vec<_> = reads.iter().map(|r| t.read(r)).collect();
-        let w = t.write(&v);
-        t.push(move || drop((rs, w))).unwrap();
-        nodes += 1;
-        v
-    };
-    let mut level = vec![link(&[])];
-    for _ in 1..depth {
-        level = level
-            .iter()
-            .flat_map(|p| [link(&[p]), link(&[p])])
-            .collect();
-    }
-    level = level.iter().map(|leaf| link(&[leaf])).collect();
-    while level.len() > 1 {
-        level = level
-            .chunks(2)
-            .map(|pair| link(&pair.iter().collect::<Vec<_>>()))
-            .collect();
-    }
-    nodes
-}
-
-/// 100 Vars; each task writes one and reads 2 to 19 others.
-fn many_reads_plan(tasks: usize) -> Vec<(usize, Vec<usize>)> {
-    let mut rng = StdRng::seed_from_u64(11);
-    (0..tasks)
-        .map(|_| {
-            let w = rng.random_range(0..100usize);
-            let k = rng.random_range(2..=19usize);
-            let mut reads = Vec::with_capacity(k);
-            while reads.len() < k {
-                let r = rng.random_range(0..100usize);
-                if r != w && !reads.contains(&r) {
-                    reads.push(r);
-                }
-            }
-            (w, reads)
-        })
-        .collect()
-}
-
-fn many_reads(e: &Engine, vars: &[Var<u64>], plan: &[(usize, Vec<usize>)]) -> usize {
-    let mut accesses = 0;
-    for (w, reads) in plan {
-        let mut t = e.task("many_reads");
-        let rs: Vec<_> = reads.iter().map(|&i| t.read(&vars[i])).collect();
-        let w = t.write(&vars[*w]);
-        accesses += 1 + rs.len();
-        t.push(move || {
-            let s: u64 = rs.iter().map(|r| *r.read()).sum();
-            *w.write() = s % 1_000_003 + 1;
-        })
-        .unwrap();
-    }
-    accesses
-}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -108,7 +28,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let reps: usize = args.get(2).map_or(Ok(5), |s| s.parse())?;
     let e = Engine::builder().mode(Mode::Lazy).workers(2).build()?;
     let plan = if shape == "many_reads" {
-        many_reads_plan(size)
+        many_reads_inputs(size).0
     } else {
         Vec::new()
     };
@@ -118,7 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..reps {
         units += match shape.as_str() {
             "chain" => chain(&e, size),
-            "wide" => wide(&e, size),
+            "wide" => wide(&e, size, || {}),
             "tree" => tree(&e, size as u32),
             "many_reads" => many_reads(&e, &vars, &plan),
             other => {

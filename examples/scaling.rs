@@ -15,8 +15,8 @@
 mod demos;
 
 use clap::Parser;
-use lazyflow::{Engine, Mode, Var};
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use demos::shapes::{random_dag, random_inputs, wide};
+use lazyflow::{Engine, Mode};
 use serde_json::json;
 use std::time::Instant;
 
@@ -46,46 +46,6 @@ fn work(us: f64) {
     while Instant::now() < end {
         std::hint::spin_loop();
     }
-}
-
-fn wide(e: &Engine, n: usize, us: f64) {
-    for _ in 0..n {
-        e.task("wide").push(move || work(us)).unwrap();
-    }
-    e.wait_all().unwrap();
-}
-
-/// Node i writes a Var of its own and reads 0 to 4 Vars of earlier nodes, as
-/// in `benches/scheduler.rs`.
-fn random_inputs(n: usize) -> Vec<Vec<usize>> {
-    let mut rng = StdRng::seed_from_u64(7);
-    (0..n)
-        .map(|i| {
-            let k = if i == 0 {
-                0
-            } else {
-                rng.random_range(0..=4usize)
-            };
-            (0..k).map(|_| rng.random_range(0..i)).collect()
-        })
-        .collect()
-}
-
-fn random_dag(e: &Engine, inputs: &[Vec<usize>], us: f64) {
-    let mut vars: Vec<Var<()>> = Vec::with_capacity(inputs.len());
-    for reads in inputs {
-        let v = e.var(());
-        let mut t = e.task("random");
-        let rs: Vec<_> = reads.iter().map(|&i| t.read(&vars[i])).collect();
-        let w = t.write(&v);
-        t.push(move || {
-            work(us);
-            drop((rs, w))
-        })
-        .unwrap();
-        vars.push(v);
-    }
-    e.wait_all().unwrap();
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -120,19 +80,16 @@ fn main() -> demos::DemoResult<()> {
     let us = args.work_us;
     let dag_empty = random_inputs(100_000);
     let dag_busy = random_inputs(20_000);
-    type Shape<'a> = (&'static str, usize, Box<dyn Fn(&Engine) + 'a>);
+    let busy = move || work(us);
+    // Each records its nodes and returns how many; the loop below waits.
+    type Shape<'a> = (&'static str, Box<dyn Fn(&Engine) -> usize + 'a>);
     let shapes: Vec<Shape> = vec![
-        ("wide", 1_000_000, Box::new(|e| wide(e, 1_000_000, 0.0))),
-        (
-            "random_dag",
-            100_000,
-            Box::new(|e| random_dag(e, &dag_empty, 0.0)),
-        ),
-        ("wide_busy", 20_000, Box::new(move |e| wide(e, 20_000, us))),
+        ("wide", Box::new(|e| wide(e, 1_000_000, || {}))),
+        ("random_dag", Box::new(|e| random_dag(e, &dag_empty, || {}))),
+        ("wide_busy", Box::new(move |e| wide(e, 20_000, busy))),
         (
             "random_dag_busy",
-            20_000,
-            Box::new(|e| random_dag(e, &dag_busy, us)),
+            Box::new(|e| random_dag(e, &dag_busy, busy)),
         ),
     ];
     println!(
@@ -140,19 +97,21 @@ fn main() -> demos::DemoResult<()> {
         "shape", "workers", "ns/node", "speedup"
     );
     let mut rows = Vec::new();
-    for (name, nodes, run) in &shapes {
+    for (name, run) in &shapes {
         let mut one = None;
         for &w in &workers {
             let e = Engine::builder().mode(Mode::Lazy).workers(w).build()?;
-            run(&e); // warm-up: threads started, node memory allocated
-            let times: Vec<f64> = (0..args.reps)
-                .map(|_| {
-                    let t = Instant::now();
-                    run(&e);
-                    t.elapsed().as_secs_f64()
-                })
-                .collect();
-            let ns = median(times) * 1e9 / *nodes as f64;
+            // Warm-up: threads started, node memory allocated.
+            let nodes = run(&e);
+            e.wait_all()?;
+            let mut times = Vec::with_capacity(args.reps);
+            for _ in 0..args.reps {
+                let t = Instant::now();
+                run(&e);
+                e.wait_all()?;
+                times.push(t.elapsed().as_secs_f64());
+            }
+            let ns = median(times) * 1e9 / nodes as f64;
             let base = *one.get_or_insert(ns);
             println!("{name:<16} {w:>8} {ns:>12.1} {:>8.2}x", base / ns);
             rows.push(json!({"shape": name, "workers": w, "nodes": nodes, "ns_per_node": ns, "speedup": base / ns}));

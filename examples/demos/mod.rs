@@ -13,6 +13,7 @@ pub mod bounded_queue;
 pub mod overlap;
 pub mod parallel;
 pub mod reference;
+pub mod shapes;
 pub mod sync_async;
 
 use lazyflow::{Device, Engine};
