@@ -164,7 +164,7 @@ impl<J> Node<J> {
     /// recorded for `accesses`, whose queues are locked in `guards`: it waits
     /// for the unfinished nodes it conflicts with, and its count is theirs
     /// plus `hold` (the units of [`RECORDING`] and [`UNDEMANDED`] it starts
-    /// with; `demanded` is whether [`UNDEMANDED`] is left out).
+    /// with: it starts demanded when `hold` has no [`UNDEMANDED`] unit).
     fn fill(
         &mut self,
         meta: NodeMeta,
@@ -200,6 +200,7 @@ impl<J> Node<J> {
         let keys = &mut self.dep_keys;
         let mut add = |d: &NodeRef<J>, reads: bool| {
             let key = d.key();
+            debug_assert_eq!(key & READS, 0, "node addresses are aligned");
             match keys.iter_mut().find(|k| **k & !READS == key) {
                 Some(k) => *k |= if reads { READS } else { 0 },
                 None => {
