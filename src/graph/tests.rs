@@ -311,3 +311,46 @@ fn an_unfinished_or_shared_node_is_not_recorded_into() {
     assert_eq!((d.key(), spent), (ct, Some(30)));
     assert_eq!(d.take_job().unwrap().0, 7);
 }
+
+/// A node that meets each of many dependencies twice (a reader of the Var it
+/// writes and the last writer of a Var it reads) waits for each once, and
+/// reads what each writes: the failure of any one skips it. With 3 the
+/// dependencies are found by a search, with 12 and 40 by a table.
+#[test]
+fn a_dependency_met_twice_is_one_edge_that_reads() {
+    for n in [3usize, 12, 40] {
+        for failing in [0, n - 1] {
+            let x = Q::default();
+            let ys: Vec<Q> = (0..n).map(|_| Q::default()).collect();
+            let w0 = rec("w0", &[], &[&x], 0);
+            let mids: Vec<NodeRef<u32>> = ys
+                .iter()
+                .enumerate()
+                .map(|(i, y)| rec("mid", &[&x], &[y], i as u32 + 1))
+                .collect();
+            let reads: Vec<&Q> = ys.iter().collect();
+            let sink = rec("sink", &reads, &[&x], 1000);
+            // x's last writer and its readers; each reader is also a y's writer.
+            assert_eq!(sink.deps().len(), n + 1, "n = {n}");
+            assert!(mids.iter().all(|m| sink.waits_for(m)) && sink.waits_for(&w0));
+            assert_eq!(demanded(std::slice::from_ref(&sink)), vec![0]);
+            assert_eq!(jobs(finish(&w0, Outcome::Done)).len(), n);
+            let mut released = Vec::new();
+            for (i, m) in mids.iter().enumerate() {
+                let outcome = if i == failing {
+                    Outcome::Failed("boom".into())
+                } else {
+                    Outcome::Done
+                };
+                released.extend(finish(m, outcome));
+            }
+            assert_eq!(released.len(), 1, "the sink is released once, n = {n}");
+            let (job, skip) = released[0].take_job().unwrap();
+            assert_eq!(job, 1000);
+            assert!(
+                skip.is_some(),
+                "n = {n}: it read what the failed node wrote"
+            );
+        }
+    }
+}
