@@ -279,6 +279,139 @@ impl<T> Write<T> {
     }
 }
 
+/// The storage of a dead Var, emptied, to make a new Var in without an
+/// allocation (see [`Spares`]). Not counted in
+/// [`crate::Stats::live_vars`].
+pub(crate) struct Spare<T>(Arc<Storage<T>>);
+
+impl<T> Drop for Spare<T> {
+    fn drop(&mut self) {
+        // The storage's own drop counts it out again.
+        self.0
+            .engine
+            .counters()
+            .live_vars
+            .fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Empties `storage` into a [`Spare`] if nothing else reaches it (the Var is
+/// dead: no handle, no other token): its value and its queue are dropped
+/// here, on the calling thread.
+fn into_spare<T: Default>(mut storage: Arc<Storage<T>>) -> Option<Spare<T>> {
+    let s = Arc::get_mut(&mut storage)?;
+    if s.value.is_poisoned() {
+        return None;
+    }
+    debug_assert!(
+        !s.queue.is_held(),
+        "a batch that names a Var holds a handle"
+    );
+    *s.value.get_mut().unwrap_or_else(|p| p.into_inner()) = T::default();
+    s.queue = VarQueue::new(None);
+    *s.version.get_mut() = 0;
+    *s.handles.get_mut() = 0;
+    s.engine
+        .counters()
+        .live_vars
+        .fetch_sub(1, Ordering::Relaxed);
+    Some(Spare(storage))
+}
+
+impl<T: Default> Read<T> {
+    /// Lets go of the token, keeping the Var's storage as a [`Spare`] if
+    /// this was the last reference to it.
+    pub(crate) fn into_spare(self) -> Option<Spare<T>> {
+        into_spare(self.storage)
+    }
+}
+
+impl<T: Default> Write<T> {
+    /// As [`Read::into_spare`].
+    pub(crate) fn into_spare(self) -> Option<Spare<T>> {
+        into_spare(self.storage)
+    }
+}
+
+/// Storages of dead Vars of one engine, kept to make new Vars in.
+///
+/// Why: the tensor layer makes a Var for every op's output on the frontend,
+/// and the last token of a dead one goes away on a worker, after its op ran:
+/// a free into another thread's arena, which glibc's allocator pays for on
+/// both sides (the frontend's next allocation takes its slow path). Kept
+/// here instead, the memory goes back to the frontend without the allocator.
+/// At most [`Spares::MOST`] are kept (a spare holds no value: a few hundred
+/// bytes each); [`Spares::close`] drops them and keeps no more (the storages
+/// refer to the engine, which refers to this list).
+pub(crate) struct Spares<T> {
+    list: std::sync::Mutex<(Vec<Spare<T>>, bool)>,
+}
+
+impl<T> Default for Spares<T> {
+    fn default() -> Self {
+        Spares {
+            list: std::sync::Mutex::new((Vec::new(), false)),
+        }
+    }
+}
+
+impl<T: Default + Send + Sync + 'static> Spares<T> {
+    /// The most spares kept: the default backpressure bound, so that the
+    /// outputs of one bound's worth of ops, recorded before any ran, come
+    /// back in full.
+    pub(crate) const MOST: usize = crate::engine::DEFAULT_HIGH_WATERMARK;
+
+    fn list(&self) -> std::sync::MutexGuard<'_, (Vec<Spare<T>>, bool)> {
+        self.list.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A new Var of `engine` holding `T::default()`, in a spare when there is
+    /// one.
+    pub(crate) fn var(&self, engine: &Engine) -> Var<T> {
+        let spare = self.list().0.pop();
+        let Some(spare) = spare else {
+            return engine.var(T::default());
+        };
+        let storage = spare.0.clone();
+        drop(spare);
+        debug_assert!(storage.engine.same(engine), "spares are per engine");
+        storage.handles.store(1, Ordering::Relaxed);
+        engine
+            .counters()
+            .tracked_vars
+            .fetch_add(1, Ordering::Relaxed);
+        Var { inner: storage }
+    }
+
+    /// Keeps `spares` (as many as fit; none once closed).
+    pub(crate) fn give(&self, mut spares: Vec<Spare<T>>) {
+        let mut list = self.list();
+        if !list.1 {
+            let room = Self::MOST.saturating_sub(list.0.len());
+            let kept = spares.len().min(room);
+            list.0.extend(spares.drain(..kept));
+        }
+        drop(list);
+        drop(spares);
+    }
+
+    /// How many are kept.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.list().0.len()
+    }
+
+    /// Drops the spares and keeps none from now on (the engine retires).
+    pub(crate) fn close(&self) {
+        let all = {
+            let mut list = self.list();
+            list.1 = true;
+            std::mem::take(&mut list.0)
+        };
+        drop(all);
+    }
+}
+
 impl Engine {
     /// Puts `value` under this engine's management.
     pub fn var<T: Send + Sync + 'static>(&self, value: T) -> Var<T> {

@@ -243,3 +243,47 @@ fn open_batches_are_recorded_when_the_engine_handle_goes() {
         assert_eq!(z.to_vec().unwrap(), vec![-11.0, -21.0], "{mode:?}");
     }
 }
+
+/// The storages of values that died in one round are made into the outputs
+/// of the next (`var::Spares`): over rounds of chains whose values mostly
+/// die, every kept value is the hand-computed one, and the engine's counts
+/// of Vars are the live tensors exactly (a reused storage counted twice or
+/// not at all would show).
+#[test]
+fn outputs_made_in_the_storages_of_dead_values_are_right_and_counted_once() {
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let x = Tensor::from_vec_in(&e, vec![1.0, 2.0, 3.0], [3]).unwrap();
+        for round in 0..4 {
+            let mut kept = Vec::new();
+            let mut y = x.clone();
+            for i in 1..=700 {
+                y = &(&y * 1.0) + 1.0;
+                if i % 97 == 0 {
+                    kept.push((i, y.clone()));
+                }
+            }
+            e.wait_all().unwrap();
+            let s = e.stats();
+            // x, y, and the kept ones.
+            let live = 2 + kept.len();
+            assert_eq!(
+                (s.live_vars, s.tracked_vars),
+                (live, live),
+                "{mode:?} round {round}"
+            );
+            for (i, t) in &kept {
+                let i = *i as f32;
+                assert_eq!(
+                    t.to_vec().unwrap(),
+                    vec![1.0 + i, 2.0 + i, 3.0 + i],
+                    "{mode:?}"
+                );
+            }
+            assert_eq!(y.to_vec().unwrap(), vec![701.0, 702.0, 703.0], "{mode:?}");
+        }
+        e.wait_all().unwrap();
+        let s = e.stats();
+        assert_eq!((s.live_vars, s.tracked_vars), (1, 1), "{mode:?}: x alone");
+    }
+}

@@ -59,6 +59,7 @@ impl Shared {
             self.global_demand.fetch_add(1, Ordering::SeqCst);
             self.retiring.store(true, Ordering::SeqCst);
         }
+        self.retire_batches();
         self.demand_all();
         self.check_drained();
         if !crate::sched::on_any_worker() {

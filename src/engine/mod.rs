@@ -239,7 +239,7 @@ pub struct Engine {
     // std's Arc (not `crate::sync`): workers are started again from a `Weak`
     // self-reference, which loom's Arc does not offer; the loom models do not
     // build engines.
-    shared: std::sync::Arc<Shared>,
+    pub(crate) shared: std::sync::Arc<Shared>,
     /// Whether this handle counts toward the engine's life: those the user holds
     /// do; the ones inside Vars, Tensors and task handles do not.
     counted: bool,
@@ -362,6 +362,8 @@ pub(crate) fn without_stalls<R>(f: impl FnOnce() -> R) -> R {
 pub(crate) trait Batches: Send + Sync {
     /// Records the open batch, if any, as a node of `engine`.
     fn close(&self, engine: &Engine);
+    /// Lets go of what the batches keep for later ops (the engine retires).
+    fn retire(&self) {}
 }
 
 /// Where threads wait for the number of live nodes to drop.
@@ -836,6 +838,14 @@ impl Shared {
         };
         for b in all {
             b.close(&engine);
+        }
+    }
+
+    /// Tells every device's record-time batches that the engine retires.
+    pub(crate) fn retire_batches(&self) {
+        let all: Vec<std::sync::Arc<dyn Batches>> = lock(&self.batches).clone();
+        for b in all {
+            b.retire();
         }
     }
 

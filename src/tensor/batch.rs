@@ -39,7 +39,7 @@ use crate::device::gpu::Gpu;
 use crate::device::Device;
 use crate::engine::{Batches, Engine};
 use crate::error::{Location, RunningOp};
-use crate::var::{Read, Var, Write};
+use crate::var::{Read, Spare, Spares, Var, Write};
 use smallvec::SmallVec;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -72,6 +72,19 @@ struct Op {
     /// The output's place in [`Open::vars`].
     out_var: usize,
     seq: u64,
+}
+
+impl Op {
+    /// Lets go of the op's tokens, keeping the storage of each Var that
+    /// dies with it in `dead`.
+    fn let_go(self, dead: &mut Vec<Spare<Data>>) {
+        for input in self.inputs {
+            if let Operand::Tensor(token, _, _) = input {
+                dead.extend(token.into_spare());
+            }
+        }
+        dead.extend(self.out.into_spare());
+    }
 }
 
 /// One open batch: connected ops (each reads a value an earlier one in the
@@ -151,6 +164,9 @@ pub(crate) struct DeviceBatch {
     backend: Backend,
     device: Device,
     open: Mutex<Vec<Open>>,
+    /// The storages of the CPU batches' dead values, for the outputs of the
+    /// next ops (see [`Spares`]).
+    spares: Arc<Spares<Data>>,
 }
 
 fn lock(m: &Mutex<Vec<Open>>) -> MutexGuard<'_, Vec<Open>> {
@@ -189,11 +205,18 @@ impl DeviceBatch {
                 backend: backend(),
                 device,
                 open: Mutex::new(Vec::new()),
+                spares: Arc::default(),
             });
             engine.shared().add_batches(b.clone());
             b
         });
         slot.downcast_ref::<DeviceBatch>()
+    }
+
+    /// A Var for the output of an op of this device's batches, made in the
+    /// storage of a dead one when there is one.
+    pub(crate) fn output_var(&self, engine: &Engine) -> Var<Data> {
+        self.spares.var(engine)
     }
 
     /// Adds `out = op(inputs)` (shape `dims`) to the batch, recording the
@@ -375,7 +398,8 @@ impl DeviceBatch {
         let Some(gpu) = gpu else {
             let places = vars.len();
             let counters = engine.counters().clone();
-            let _ = t.push_fallible(move || run_on_cpu(ops, keep, places, &counters));
+            let spares = self.spares.clone();
+            let _ = t.push_fallible(move || run_on_cpu(ops, keep, places, &counters, &spares));
             return;
         };
         let pending = gpu.expect_node();
@@ -423,6 +447,7 @@ fn run_on_cpu(
     keep: Vec<bool>,
     places: usize,
     counters: &crate::engine::Counters,
+    spares: &Spares<Data>,
 ) -> Result<(), String> {
     use super::kernels;
     // Which ops must run: those whose value is kept, and those a needed op
@@ -452,8 +477,11 @@ fn run_on_cpu(
             .fetch_add(elided as u64, std::sync::atomic::Ordering::Relaxed);
     }
     let mut local: Vec<Option<Vec<f32>>> = (0..places).map(|_| None).collect();
+    // The storages of the Vars that die here, as their last tokens go.
+    let mut dead = Vec::new();
     for (j, ((op, keep), needed)) in ops.into_iter().zip(keep).zip(needed).enumerate() {
         if !needed {
+            op.let_go(&mut dead);
             continue;
         }
         let n: usize = op.dims.iter().product();
@@ -517,7 +545,9 @@ fn run_on_cpu(
                 }
             }
         }
+        op.let_go(&mut dead);
     }
+    spares.give(dead);
     Ok(())
 }
 
@@ -529,5 +559,52 @@ impl Batches for DeviceBatch {
         for open in std::mem::take(&mut *batches) {
             self.record(engine, open);
         }
+    }
+
+    fn retire(&self) {
+        self.spares.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Mode;
+
+    fn spares(engine: &Engine) -> usize {
+        let batches = DeviceBatch::cpu(engine).expect("the CPU batches");
+        batches.spares.len()
+    }
+
+    /// The storages of the values that die in a CPU batch are kept and made
+    /// into the next outputs; the engine still ends with its last handle
+    /// (the spares refer to it, and it to them, until it retires).
+    #[test]
+    fn dead_values_storages_are_reused_and_let_go_when_the_engine_ends() {
+        let e = Engine::builder()
+            .mode(Mode::Lazy)
+            .workers(2)
+            .build()
+            .unwrap();
+        let x = Tensor::ones_in(&e, [4]);
+        let mut y = x.clone();
+        for _ in 0..300 {
+            y = &y + 1.0;
+        }
+        assert_eq!(y.to_vec().unwrap(), vec![301.0; 4]);
+        e.wait_all().unwrap();
+        // Every value but the last died on a worker.
+        let kept = spares(&e);
+        assert!(kept >= 298, "{kept} spares");
+        let z = &y + 1.0;
+        assert_eq!(spares(&e), kept - 1, "the output is made in a spare");
+        assert_eq!(z.to_vec().unwrap(), vec![302.0; 4]);
+        let shared = Arc::downgrade(&e.shared);
+        drop((x, y, z, e));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while shared.strong_count() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(shared.strong_count(), 0, "the engine's memory is freed");
     }
 }
