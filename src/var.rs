@@ -282,16 +282,18 @@ impl<T> Write<T> {
 /// The storage of a dead Var, emptied, to make a new Var in without an
 /// allocation (see [`Spares`]). Not counted in
 /// [`crate::Stats::live_vars`].
-pub(crate) struct Spare<T>(Arc<Storage<T>>);
+/// (`None` once made into a Var.)
+pub(crate) struct Spare<T>(Option<Arc<Storage<T>>>);
 
 impl<T> Drop for Spare<T> {
     fn drop(&mut self) {
-        // The storage's own drop counts it out again.
-        self.0
-            .engine
-            .counters()
-            .live_vars
-            .fetch_add(1, Ordering::Relaxed);
+        if let Some(s) = &self.0 {
+            // The storage's own drop counts it out again.
+            s.engine
+                .counters()
+                .live_vars
+                .fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -315,7 +317,7 @@ fn into_spare<T: Default>(mut storage: Arc<Storage<T>>) -> Option<Spare<T>> {
         .counters()
         .live_vars
         .fetch_sub(1, Ordering::Relaxed);
-    Some(Spare(storage))
+    Some(Spare(Some(storage)))
 }
 
 impl<T: Default> Read<T> {
@@ -369,17 +371,14 @@ impl<T: Default + Send + Sync + 'static> Spares<T> {
     /// one.
     pub(crate) fn var(&self, engine: &Engine) -> Var<T> {
         let spare = self.list().0.pop();
-        let Some(spare) = spare else {
+        let Some(storage) = spare.and_then(|mut s| s.0.take()) else {
             return engine.var(T::default());
         };
-        let storage = spare.0.clone();
-        drop(spare);
         debug_assert!(storage.engine.same(engine), "spares are per engine");
         storage.handles.store(1, Ordering::Relaxed);
-        engine
-            .counters()
-            .tracked_vars
-            .fetch_add(1, Ordering::Relaxed);
+        let counters = engine.counters();
+        counters.tracked_vars.fetch_add(1, Ordering::Relaxed);
+        counters.live_vars.fetch_add(1, Ordering::Relaxed);
         Var { inner: storage }
     }
 
