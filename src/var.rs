@@ -280,9 +280,8 @@ impl<T> Write<T> {
 }
 
 /// The storage of a dead Var, emptied, to make a new Var in without an
-/// allocation (see [`Spares`]). Not counted in
+/// allocation (see [`Spares`]); `None` once made into a Var. Not counted in
 /// [`crate::Stats::live_vars`].
-/// (`None` once made into a Var.)
 pub(crate) struct Spare<T>(Option<Arc<Storage<T>>>);
 
 impl<T> Drop for Spare<T> {
@@ -384,6 +383,9 @@ impl<T: Default + Send + Sync + 'static> Spares<T> {
 
     /// Keeps `spares` (as many as fit; none once closed).
     pub(crate) fn give(&self, mut spares: Vec<Spare<T>>) {
+        if spares.is_empty() {
+            return;
+        }
         let mut list = self.list();
         if !list.1 {
             let room = Self::MOST.saturating_sub(list.0.len());

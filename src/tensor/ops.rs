@@ -140,9 +140,14 @@ impl Tensor {
     }
 
     pub(super) fn output(&self, shape: Shape) -> Tensor {
+        self.output_in(shape, self.engine().var(Data::default()))
+    }
+
+    /// An output of shape `shape` on this tensor's device, in `var`.
+    fn output_in(&self, shape: Shape, var: crate::Var<Data>) -> Tensor {
         Tensor {
             shape,
-            var: self.engine().var(Data::default()),
+            var,
             device: self.device,
             tape: None,
         }
@@ -206,12 +211,7 @@ impl Tensor {
             return None;
         }
         let batches = DeviceBatch::cpu(self.engine())?;
-        let out = Tensor {
-            shape: shape.clone(),
-            var: batches.output_var(self.engine()),
-            device: self.device,
-            tape: None,
-        };
+        let out = self.output_in(shape.clone(), batches.output_var(self.engine()));
         let dims = Dims::from_slice(shape.dims());
         Some(
             batches
