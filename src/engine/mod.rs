@@ -318,7 +318,7 @@ pub(crate) struct Shared {
     // Small locks on cold or sharded paths.
     /// Lazy-mode nodes not known to be finished, for `wait_all`, backpressure
     /// and DOT export (sharded by recording thread).
-    undemanded: Registry,
+    pub(crate) undemanded: Registry,
     /// Threads waiting for `live` to drop (`wait_all`, backpressure, a retiring
     /// drop).
     drained: Drained,

@@ -385,14 +385,21 @@ impl DeviceBatch {
         // this batch's). Nothing else can ever read the others. Decided when
         // the node runs instead, it would depend on how far the program had
         // got by then in Async mode, and so would the kernel.
-        let keep: Vec<bool> = ops
-            .iter()
-            .map(|op| vars[op.out_var].0.handles() > 1)
-            .collect();
+        // Read once per Var: a count seen at 1 stays 1 (no handle is left to
+        // clone), so the node's accesses and the values written agree.
+        let held: Vec<bool> = vars.iter().map(|(var, _, _)| var.handles() > 1).collect();
+        let keep: Vec<bool> = ops.iter().map(|op| held[op.out_var]).collect();
         let mut t = engine.task_at(ops[0].name, ops[0].location);
         t.device(self.device).weight(ops.len() as u32);
-        // Distinct: `Open::note` names each Var once.
-        for (var, read, write) in vars {
+        // Distinct: `Open::note` names each Var once. A Var the batch writes
+        // and nothing holds any more is left out of the node: it is the
+        // output of one of its ops, made new for it (`output_var`), so no
+        // earlier node named it, and no later one can. In a loop that keeps
+        // only its last value, the node names 2 Vars instead of 257.
+        for ((var, read, write), held) in vars.iter().zip(held) {
+            if *write && !held {
+                continue;
+            }
             t.declare_unchecked(var, *read, *write);
         }
         let Some(gpu) = gpu else {
@@ -574,6 +581,41 @@ mod tests {
     fn spares(engine: &Engine) -> usize {
         let batches = DeviceBatch::cpu(engine).expect("the CPU batches");
         batches.spares.len()
+    }
+
+    /// A batch's node names the values it computes that are still held, and
+    /// none of those dropped before it was recorded (nothing can name them
+    /// again); the held ones are right.
+    #[test]
+    fn a_batch_node_names_only_the_values_still_held() {
+        let e = Engine::builder()
+            .mode(Mode::Lazy)
+            .workers(2)
+            .build()
+            .unwrap();
+        let x = Tensor::ones_in(&e, [2]);
+        let mut y = x.clone();
+        let (mut keys, mut kept) = (Vec::new(), None);
+        for i in 0..10 {
+            y = &y + 1.0;
+            keys.push(y.var.queue().key());
+            if i == 4 {
+                kept = Some(y.clone());
+            }
+        }
+        // Lazy: the node is recorded here and not run, so the dropped
+        // values' storages (and the keys) stay with its ops.
+        e.shared().close_batches();
+        let nodes = e.shared().undemanded.snapshot();
+        let node = nodes
+            .iter()
+            .find(|n| n.writes(keys[9]))
+            .expect("the batch's node writes the last value");
+        let named: Vec<bool> = keys.iter().map(|k| node.writes(*k)).collect();
+        let held: Vec<bool> = (0..10).map(|i| i == 4 || i == 9).collect();
+        assert_eq!(named, held);
+        assert_eq!(kept.expect("held").to_vec().unwrap(), vec![6.0; 2]);
+        assert_eq!(y.to_vec().unwrap(), vec![11.0; 2]);
     }
 
     /// The storages of the values that die in a CPU batch are kept and made
