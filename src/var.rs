@@ -90,6 +90,10 @@ impl<T> Storage<T> {
         self.value.read().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn write(&self) -> RwLockWriteGuard<'_, T> {
+        self.value.write().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// A read guard for a task's token: refuses (by panicking, which fails the
     /// task) when this thread holds the write guard, which would wait forever.
     fn token_read(&self) -> ReadGuard<'_, T> {
@@ -106,7 +110,7 @@ impl<T> Storage<T> {
     fn token_write(&self) -> WriteGuard<'_, T> {
         let held = Held::take(self.key(), true);
         WriteGuard {
-            guard: self.value.write().unwrap_or_else(|p| p.into_inner()),
+            guard: self.write(),
             _held: held,
         }
     }
@@ -222,6 +226,14 @@ impl<T> Read<T> {
         Arc::as_ptr(&self.storage) as *const () as usize
     }
 
+    /// Borrows the data without noting the guard on this thread: for the
+    /// engine's own kernels, which never take a second guard of a Var they
+    /// hold one of (the note is a thread-local list, searched and changed
+    /// twice per guard).
+    pub(crate) fn read_kernel(&self) -> RwLockReadGuard<'_, T> {
+        self.storage.read()
+    }
+
     /// A second token for the same declared read (an op that reads one value
     /// twice).
     pub(crate) fn duplicate(&self) -> Read<T> {
@@ -260,6 +272,11 @@ impl<T> Write<T> {
     /// ```
     pub fn write(&self) -> WriteGuard<'_, T> {
         self.storage.token_write()
+    }
+
+    /// As [`Read::read_kernel`], mutably.
+    pub(crate) fn write_kernel(&self) -> RwLockWriteGuard<'_, T> {
+        self.storage.write()
     }
 
     /// Borrows the data (a writer may also read what it is about to change).

@@ -496,12 +496,12 @@ fn run_on_cpu(
             super::ops::zeroed(n).map_err(|e| format!("{} at {}: {e}", op.name, op.location))?;
         {
             // Each tensor operand: the batch's own value, or the Var's data.
-            let guards: SmallVec<[Option<crate::var::ReadGuard<'_, Data>>; 2]> = op
+            let guards: SmallVec<[Option<std::sync::RwLockReadGuard<'_, Data>>; 2]> = op
                 .inputs
                 .iter()
                 .map(|input| match input {
                     Operand::Tensor(token, _, place) if local[*place].is_none() => {
-                        Some(token.read())
+                        Some(token.read_kernel())
                     }
                     _ => None,
                 })
@@ -540,7 +540,7 @@ fn run_on_cpu(
             }
         }
         if keep {
-            *op.out.write() = Data::Host(out);
+            *op.out.write_kernel() = Data::Host(out);
         } else {
             local[op.out_var] = Some(out);
         }
