@@ -102,6 +102,35 @@ fn batches_that_meet_merge_and_keep_their_values() {
 }
 
 #[test]
+fn batches_of_different_shapes_that_meet_merge_and_keep_their_values() {
+    for mode in [Mode::Lazy, Mode::Async] {
+        let e = engine(mode);
+        let m = Tensor::from_vec_in(&e, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3]).unwrap();
+        let row = Tensor::from_vec_in(&e, vec![10.0, 20.0, 30.0], [3]).unwrap();
+        let q = Tensor::from_vec_in(&e, vec![1.0, 2.0, 3.0], [3]).unwrap();
+        // A batch of [2, 3] values and one of [3] values ...
+        let a = &(&m + &row) * 2.0;
+        let b = &(&q + 1.0) * 3.0;
+        // ... merged by an op that reads both and broadcasts.
+        let c = &(&a + &b) - 1.0;
+        let mut want = Vec::new();
+        for i in 0..2 {
+            for j in 0..3 {
+                let (v, r, qj) = (
+                    (1 + i * 3 + j) as f32,
+                    (10 * (j + 1)) as f32,
+                    (j + 1) as f32,
+                );
+                want.push((v + r) * 2.0 + (qj + 1.0) * 3.0 - 1.0);
+            }
+        }
+        assert_eq!(c.dims(), &[2, 3]);
+        assert_eq!(c.to_vec().unwrap(), want, "{mode:?}");
+        assert_eq!(b.to_vec().unwrap(), vec![6.0, 9.0, 12.0], "{mode:?}");
+    }
+}
+
+#[test]
 fn broadcasting_and_scalar_sides_match_plain_loops() {
     let e = engine(Mode::Async);
     let m = Tensor::from_vec_in(&e, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3]).unwrap();

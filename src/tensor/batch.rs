@@ -55,26 +55,38 @@ pub(crate) enum Arg<'a> {
 }
 
 /// An operand of a batched op.
-pub(crate) enum Operand {
-    /// A tensor's data, its shape, and its Var's place in [`Open::vars`].
-    Tensor(Read<Data>, Dims, usize),
+enum Operand {
+    /// A tensor's data, its shape's place in [`Open::shapes`] and its Var's
+    /// place in [`Open::vars`].
+    Tensor(Read<Data>, u32, u32),
     /// A constant.
     Scalar(f32),
 }
 
+/// One op of a batch. Small and flat (shapes are places in the batch's
+/// list, operands a fixed pair): an op is moved into its batch and out of
+/// it again, and a batch's ops are made on one thread and dropped on
+/// another, so each byte and each nested collection costs on both.
 struct Op {
     name: &'static str,
     location: Location,
-    dims: Dims,
     op: ElemOp,
-    inputs: SmallVec<[Operand; 2]>,
+    /// How many of `inputs` the op has (1 or 2).
+    arity: u8,
+    /// The output's shape's place in [`Open::shapes`].
+    dims: u32,
+    inputs: [Operand; 2],
     out: Write<Data>,
     /// The output's place in [`Open::vars`].
-    out_var: usize,
+    out_var: u32,
     seq: u64,
 }
 
 impl Op {
+    fn inputs(&self) -> &[Operand] {
+        &self.inputs[..usize::from(self.arity)]
+    }
+
     /// Lets go of the op's tokens, keeping the storage of each Var that
     /// dies with it in `dead`.
     fn let_go(self, dead: &mut Vec<Spare<Data>>) {
@@ -97,6 +109,8 @@ struct Open {
     /// Each Var's place in `vars`, by its queue's key: an op looks its
     /// inputs up on the recording thread, so no scan of the batch.
     places: rustc_hash::FxHashMap<usize, usize>,
+    /// The shapes the ops name (a shape may appear more than once).
+    shapes: Vec<Dims>,
 }
 
 impl Open {
@@ -129,19 +143,40 @@ impl Open {
         }
     }
 
+    /// The place of `dims` in [`Open::shapes`], added unless one of the
+    /// last few is the same (most ops have the shape of the one before).
+    fn shape(&mut self, dims: &[usize]) -> u32 {
+        let recent = self.shapes.len().saturating_sub(4);
+        let found = self.shapes[recent..]
+            .iter()
+            .rposition(|s| s.as_slice() == dims);
+        let at = match found {
+            Some(i) => recent + i,
+            None => {
+                self.shapes.push(Dims::from_slice(dims));
+                self.shapes.len() - 1
+            }
+        };
+        at as u32
+    }
+
     /// Moves `other`'s ops and Vars into this batch, in record order.
     fn absorb(&mut self, other: Open) {
         let mut place = Vec::with_capacity(other.vars.len());
         for (var, read, write) in other.vars {
-            place.push(self.note(&var, read, write));
+            place.push(self.note(&var, read, write) as u32);
             // Held once per batch that names it.
             var.queue().release();
         }
+        let shift = self.shapes.len() as u32;
+        self.shapes.extend(other.shapes);
         for mut op in other.ops {
-            op.out_var = place[op.out_var];
+            op.out_var = place[op.out_var as usize];
+            op.dims += shift;
             for input in &mut op.inputs {
-                if let Operand::Tensor(_, _, p) = input {
-                    *p = place[*p];
+                if let Operand::Tensor(_, shape, p) = input {
+                    *shape += shift;
+                    *p = place[*p as usize];
                 }
             }
             self.ops.push(op);
@@ -219,19 +254,20 @@ impl DeviceBatch {
         self.spares.var(engine)
     }
 
-    /// Adds `out = op(inputs)` (shape `dims`) to the batch, recording the
-    /// batch first when it is full.
+    /// Adds `out = op(inputs)` (shape `dims`; one or two inputs) to the
+    /// batch, recording the batch first when it is full.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn push(
         &self,
         engine: &Engine,
         name: &'static str,
         location: Location,
-        dims: Dims,
+        dims: &[usize],
         op: ElemOp,
         inputs: &[Arg<'_>],
         out: &Var<Data>,
     ) -> crate::error::Result<()> {
+        debug_assert!(matches!(inputs.len(), 1 | 2), "{name}: an elementwise op");
         // A Var of another engine: the error a task naming it gets.
         let foreign = inputs.iter().any(|arg| match arg {
             Arg::Tensor(t) => !t.var.engine().same(engine),
@@ -317,9 +353,9 @@ impl DeviceBatch {
             known = None;
         }
         let open = &mut batches[at];
-        let mut operands: SmallVec<[Operand; 2]> = SmallVec::new();
-        for (i, arg) in inputs.iter().enumerate() {
-            operands.push(match arg {
+        let mut operands = [Operand::Scalar(0.0), Operand::Scalar(0.0)];
+        for ((i, arg), slot) in inputs.iter().enumerate().zip(&mut operands) {
+            *slot = match arg {
                 Arg::Tensor(t) => {
                     let place =
                         match known.and_then(|k: [Option<usize>; 2]| k.get(i).copied().flatten()) {
@@ -329,17 +365,20 @@ impl DeviceBatch {
                             }
                             None => open.note(&t.var, true, false),
                         };
-                    Operand::Tensor(t.var.read_token(), Dims::from_slice(t.dims()), place)
+                    let shape = open.shape(t.dims());
+                    Operand::Tensor(t.var.read_token(), shape, place as u32)
                 }
                 Arg::Scalar(s) => Operand::Scalar(*s),
-            });
+            };
         }
-        let out_var = open.note(out, false, true);
+        let out_var = open.note(out, false, true) as u32;
+        let dims = open.shape(dims);
         open.ops.push(Op {
             name,
             location,
-            dims,
             op,
+            arity: inputs.len().min(2) as u8,
+            dims,
             inputs: operands,
             out: out.write_token(),
             out_var,
@@ -356,9 +395,11 @@ impl DeviceBatch {
     }
 
     fn record_node(&self, engine: &Engine, open: Open) {
-        let Open { ops, vars, .. } = open;
+        let Open {
+            ops, vars, shapes, ..
+        } = open;
         if !ops.is_empty() {
-            self.record_ops(engine, ops, &vars);
+            self.record_ops(engine, ops, &vars, shapes);
         }
         for (var, _, _) in &vars {
             var.queue().release();
@@ -366,7 +407,13 @@ impl DeviceBatch {
     }
 
     /// Records `ops`, which name `vars`, as one node.
-    fn record_ops(&self, engine: &Engine, ops: Vec<Op>, vars: &[(Var<Data>, bool, bool)]) {
+    fn record_ops(
+        &self,
+        engine: &Engine,
+        ops: Vec<Op>,
+        vars: &[(Var<Data>, bool, bool)],
+        shapes: Vec<Dims>,
+    ) {
         let gpu = match &self.backend {
             Backend::Cpu => None,
             Backend::Gpu(gpu) => match gpu.upgrade() {
@@ -388,7 +435,7 @@ impl DeviceBatch {
         // Read once per Var: a count seen at 1 stays 1 (no handle is left to
         // clone), so the node's accesses and the values written agree.
         let held: Vec<bool> = vars.iter().map(|(var, _, _)| var.handles() > 1).collect();
-        let keep: Vec<bool> = ops.iter().map(|op| held[op.out_var]).collect();
+        let keep: Vec<bool> = ops.iter().map(|op| held[op.out_var as usize]).collect();
         let mut t = engine.task_at(ops[0].name, ops[0].location);
         t.device(self.device).weight(ops.len() as u32);
         // Distinct: `Open::note` names each Var once. A Var the batch writes
@@ -406,7 +453,8 @@ impl DeviceBatch {
             let places = vars.len();
             let counters = engine.counters().clone();
             let spares = self.spares.clone();
-            let _ = t.push_fallible(move || run_on_cpu(ops, keep, places, &counters, &spares));
+            let _ =
+                t.push_fallible(move || run_on_cpu(ops, &shapes, keep, places, &counters, &spares));
             return;
         };
         let pending = gpu.expect_node();
@@ -416,16 +464,20 @@ impl DeviceBatch {
             let key = crate::error::running_ops().last().map_or(0, |o| o.key);
             let mut batch = Vec::with_capacity(ops.len());
             for (op, keep) in ops.into_iter().zip(keep) {
-                let n: usize = op.dims.iter().product();
+                let dims = shapes[op.dims as usize].clone();
+                let n: usize = dims.iter().product();
                 *op.out.write() = Data::Gpu(gpu.alloc_lazy(n)?);
                 batch.push(BatchOp {
-                    dims: op.dims,
+                    dims,
                     op: op.op,
                     inputs: op
                         .inputs
                         .into_iter()
+                        .take(usize::from(op.arity))
                         .map(|i| match i {
-                            Operand::Tensor(token, shape, _) => Input::Tensor(token, shape),
+                            Operand::Tensor(token, shape, _) => {
+                                Input::Tensor(token, shapes[shape as usize].clone())
+                            }
                             Operand::Scalar(s) => Input::Scalar(s),
                         })
                         .collect(),
@@ -451,6 +503,7 @@ impl DeviceBatch {
 /// this function until their last reader ran, and are never written.
 fn run_on_cpu(
     ops: Vec<Op>,
+    shapes: &[Dims],
     keep: Vec<bool>,
     places: usize,
     counters: &crate::engine::Counters,
@@ -464,15 +517,16 @@ fn run_on_cpu(
     let mut read_by_needed = vec![false; places];
     let mut last_read = vec![0usize; places];
     for (j, op) in ops.iter().enumerate().rev() {
-        needed[j] |= read_by_needed[op.out_var];
+        needed[j] |= read_by_needed[op.out_var as usize];
         if !needed[j] {
             continue;
         }
-        for input in &op.inputs {
+        for input in op.inputs() {
             if let Operand::Tensor(_, _, place) = input {
-                if !read_by_needed[*place] {
-                    read_by_needed[*place] = true;
-                    last_read[*place] = j;
+                let place = *place as usize;
+                if !read_by_needed[place] {
+                    read_by_needed[place] = true;
+                    last_read[place] = j;
                 }
             }
         }
@@ -491,27 +545,28 @@ fn run_on_cpu(
             op.let_go(&mut dead);
             continue;
         }
-        let n: usize = op.dims.iter().product();
+        let dims = &shapes[op.dims as usize];
+        let n: usize = dims.iter().product();
         let mut out =
             super::ops::zeroed(n).map_err(|e| format!("{} at {}: {e}", op.name, op.location))?;
         {
             // Each tensor operand: the batch's own value, or the Var's data.
             let guards: SmallVec<[Option<std::sync::RwLockReadGuard<'_, Data>>; 2]> = op
-                .inputs
+                .inputs()
                 .iter()
                 .map(|input| match input {
-                    Operand::Tensor(token, _, place) if local[*place].is_none() => {
+                    Operand::Tensor(token, _, place) if local[*place as usize].is_none() => {
                         Some(token.read_kernel())
                     }
                     _ => None,
                 })
                 .collect();
             let mut values: SmallVec<[&[f32]; 2]> = SmallVec::new();
-            for (input, guard) in op.inputs.iter().zip(&guards) {
+            for (input, guard) in op.inputs().iter().zip(&guards) {
                 match (input, guard) {
                     (Operand::Tensor(..), Some(g)) => values.push(g.host()?),
                     (Operand::Tensor(_, _, place), None) => {
-                        values.push(local[*place].as_deref().ok_or_else(|| {
+                        values.push(local[*place as usize].as_deref().ok_or_else(|| {
                             format!(
                                 "internal error: {} at {} reads a value its batch did not compute",
                                 op.name, op.location
@@ -521,10 +576,11 @@ fn run_on_cpu(
                     (Operand::Scalar(_), _) => {}
                 }
             }
-            match (op.op, op.inputs.as_slice()) {
+            match (op.op, op.inputs()) {
                 (ElemOp::Unary(u), [Operand::Tensor(..)]) => kernels::unary(u, values[0], &mut out),
                 (ElemOp::Binary(b), [Operand::Tensor(_, da, _), Operand::Tensor(_, db, _)]) => {
-                    kernels::binary(b, values[0], da, values[1], db, &op.dims, &mut out)
+                    let (da, db) = (&shapes[*da as usize], &shapes[*db as usize]);
+                    kernels::binary(b, values[0], da, values[1], db, dims, &mut out)
                 }
                 (ElemOp::Binary(b), [Operand::Tensor(..), Operand::Scalar(s)]) => {
                     kernels::binary_scalar(b, values[0], *s, &mut out)
@@ -542,13 +598,14 @@ fn run_on_cpu(
         if keep {
             *op.out.write_kernel() = Data::Host(out);
         } else {
-            local[op.out_var] = Some(out);
+            local[op.out_var as usize] = Some(out);
         }
         // Values nothing reads any more are freed at once.
-        for input in &op.inputs {
+        for input in op.inputs() {
             if let Operand::Tensor(_, _, place) = input {
-                if last_read[*place] == j {
-                    local[*place] = None;
+                let place = *place as usize;
+                if last_read[place] == j {
+                    local[place] = None;
                 }
             }
         }

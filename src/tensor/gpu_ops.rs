@@ -406,7 +406,7 @@ impl Tensor {
         if let Some(batches) = batches {
             // One node per batch of ops, recorded when something else needs
             // them (see `batch.rs`).
-            batches.push(self.engine(), name, location, dims, op, inputs, &out.var)?;
+            batches.push(self.engine(), name, location, &dims, op, inputs, &out.var)?;
             return Ok(out);
         }
         let mut t = self.engine().task_at(name, location);

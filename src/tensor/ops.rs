@@ -1,7 +1,7 @@
 //! Tensor ops: record-time validation, then one node per op.
 
 use super::batch::{Arg, DeviceBatch};
-use super::fusion::{Dims, ElemOp};
+use super::fusion::ElemOp;
 use super::gpu_ops::{binary_expr_xs, unary_expr};
 use super::kernels::{self, BinaryOp, ReduceOp, UnaryOp};
 use super::{Data, Shape, Tensor};
@@ -212,10 +212,17 @@ impl Tensor {
         }
         let batches = DeviceBatch::cpu(self.engine())?;
         let out = self.output_in(shape.clone(), batches.output_var(self.engine()));
-        let dims = Dims::from_slice(shape.dims());
         Some(
             batches
-                .push(self.engine(), name, location, dims, op, inputs, &out.var)
+                .push(
+                    self.engine(),
+                    name,
+                    location,
+                    shape.dims(),
+                    op,
+                    inputs,
+                    &out.var,
+                )
                 .map(|()| out),
         )
     }
