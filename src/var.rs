@@ -313,6 +313,22 @@ impl<T> Drop for Spare<T> {
     }
 }
 
+impl<T: Default + Send + Sync + 'static> Spare<T> {
+    /// A new Var of `engine` holding `T::default()`, made in the last of
+    /// `local` (spares of `engine`) when there is one.
+    pub(crate) fn var(local: &mut Vec<Spare<T>>, engine: &Engine) -> Var<T> {
+        let Some(storage) = local.pop().and_then(|mut s| s.0.take()) else {
+            return engine.var(T::default());
+        };
+        debug_assert!(storage.engine.same(engine), "spares are per engine");
+        storage.handles.store(1, Ordering::Relaxed);
+        let counters = engine.counters();
+        counters.tracked_vars.fetch_add(1, Ordering::Relaxed);
+        counters.live_vars.fetch_add(1, Ordering::Relaxed);
+        Var { inner: storage }
+    }
+}
+
 /// Empties `storage` into a [`Spare`] if nothing else reaches it (the Var is
 /// dead: no handle, no other token): its value and its queue are dropped
 /// here, on the calling thread.
@@ -383,19 +399,15 @@ impl<T: Default + Send + Sync + 'static> Spares<T> {
         self.list.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A new Var of `engine` holding `T::default()`, in a spare when there is
-    /// one.
-    pub(crate) fn var(&self, engine: &Engine) -> Var<T> {
-        let spare = self.list().0.pop();
-        let Some(storage) = spare.and_then(|mut s| s.0.take()) else {
-            return engine.var(T::default());
-        };
-        debug_assert!(storage.engine.same(engine), "spares are per engine");
-        storage.handles.store(1, Ordering::Relaxed);
-        let counters = engine.counters();
-        counters.tracked_vars.fetch_add(1, Ordering::Relaxed);
-        counters.live_vars.fetch_add(1, Ordering::Relaxed);
-        Var { inner: storage }
+    /// Moves the spares kept into `local`: a list of a recording thread's
+    /// own, which [`Spare::var`] draws from without this list's lock.
+    pub(crate) fn take_into(&self, local: &mut Vec<Spare<T>>) {
+        let mut list = self.list();
+        if local.is_empty() {
+            std::mem::swap(&mut list.0, local);
+        } else {
+            local.append(&mut list.0);
+        }
     }
 
     /// Keeps `spares` (as many as fit; none once closed).

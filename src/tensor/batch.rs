@@ -128,28 +128,32 @@ impl Open {
                 self.vars[i].2 |= write;
                 i
             }
-            None => {
-                var.queue().hold();
-                if self.places.is_empty() {
-                    // A batch names about one Var per op: grown once.
-                    self.places.reserve(MAX_OPS + 1);
-                    self.vars.reserve(MAX_OPS + 1);
-                    self.ops.reserve(MAX_OPS);
-                }
-                self.places.insert(var.queue().key(), self.vars.len());
-                self.vars.push((var.clone(), read, write));
-                self.vars.len() - 1
-            }
+            None => self.note_new(var, read, write),
         }
+    }
+
+    /// [`Open::note`] for a Var the batch does not name yet.
+    fn note_new(&mut self, var: &Var<Data>, read: bool, write: bool) -> usize {
+        var.queue().hold();
+        if self.places.is_empty() {
+            // A batch names about one Var per op: grown once.
+            self.places.reserve(MAX_OPS + 1);
+            self.vars.reserve(MAX_OPS + 1);
+            self.ops.reserve(MAX_OPS);
+        }
+        self.places.insert(var.queue().key(), self.vars.len());
+        self.vars.push((var.clone(), read, write));
+        self.vars.len() - 1
     }
 
     /// The place of `dims` in [`Open::shapes`], added unless one of the
     /// last few is the same (most ops have the shape of the one before).
     fn shape(&mut self, dims: &[usize]) -> u32 {
+        // Element by element: a slice's `==` calls `memcmp`, which costs
+        // more than these few words.
+        let same = |s: &Dims| s.len() == dims.len() && s.iter().zip(dims).all(|(a, b)| a == b);
         let recent = self.shapes.len().saturating_sub(4);
-        let found = self.shapes[recent..]
-            .iter()
-            .rposition(|s| s.as_slice() == dims);
+        let found = self.shapes[recent..].iter().rposition(same);
         let at = match found {
             Some(i) => recent + i,
             None => {
@@ -198,13 +202,23 @@ enum Backend {
 pub(crate) struct DeviceBatch {
     backend: Backend,
     device: Device,
-    open: Mutex<Vec<Open>>,
-    /// The storages of the CPU batches' dead values, for the outputs of the
-    /// next ops (see [`Spares`]).
+    open: Mutex<State>,
+    /// The storages of the CPU batches' dead values, given back by the
+    /// workers, for the outputs of the next ops (see [`Spares`]).
     spares: Arc<Spares<Data>>,
 }
 
-fn lock(m: &Mutex<Vec<Open>>) -> MutexGuard<'_, Vec<Open>> {
+/// What a device's batches keep under their lock.
+#[derive(Default)]
+struct State {
+    batches: Vec<Open>,
+    /// Spares moved out of [`DeviceBatch::spares`] in one go, drawn from
+    /// one per op: the recording thread takes the workers' lock once per
+    /// few hundred outputs instead of once per output.
+    spares: Vec<Spare<Data>>,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -239,7 +253,7 @@ impl DeviceBatch {
             let b = Arc::new(DeviceBatch {
                 backend: backend(),
                 device,
-                open: Mutex::new(Vec::new()),
+                open: Mutex::default(),
                 spares: Arc::default(),
             });
             engine.shared().add_batches(b.clone());
@@ -248,14 +262,9 @@ impl DeviceBatch {
         slot.downcast_ref::<DeviceBatch>()
     }
 
-    /// A Var for the output of an op of this device's batches, made in the
-    /// storage of a dead one when there is one.
-    pub(crate) fn output_var(&self, engine: &Engine) -> Var<Data> {
-        self.spares.var(engine)
-    }
-
     /// Adds `out = op(inputs)` (shape `dims`; one or two inputs) to the
-    /// batch, recording the batch first when it is full.
+    /// batch, recording the batch first when it is full, and returns the
+    /// output's Var: new, or made in the storage of a dead one.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn push(
         &self,
@@ -265,8 +274,7 @@ impl DeviceBatch {
         dims: &[usize],
         op: ElemOp,
         inputs: &[Arg<'_>],
-        out: &Var<Data>,
-    ) -> crate::error::Result<()> {
+    ) -> crate::error::Result<Var<Data>> {
         debug_assert!(matches!(inputs.len(), 1 | 2), "{name}: an elementwise op");
         // A Var of another engine: the error a task naming it gets.
         let foreign = inputs.iter().any(|arg| match arg {
@@ -281,7 +289,12 @@ impl DeviceBatch {
         // stall for the task): the frontend waits here instead, until a full
         // batch fits under the bound.
         engine.shared().throttle(MAX_OPS);
-        let mut batches = lock(&self.open);
+        let mut state = lock(&self.open);
+        let State { batches, spares } = &mut *state;
+        if spares.is_empty() {
+            self.spares.take_into(spares);
+        }
+        let out = Spare::var(spares, engine);
         // The op joins the batch that computes one of its inputs (merging
         // them when several do), or starts a batch of its own: a batch holds
         // connected ops only, and a reader of one of its values waits for
@@ -371,7 +384,8 @@ impl DeviceBatch {
                 Arg::Scalar(s) => Operand::Scalar(*s),
             };
         }
-        let out_var = open.note(out, false, true) as u32;
+        // New: not in the batch, no lookup.
+        let out_var = open.note_new(&out, false, true) as u32;
         let dims = open.shape(dims);
         open.ops.push(Op {
             name,
@@ -384,7 +398,7 @@ impl DeviceBatch {
             out_var,
             seq: record_order(),
         });
-        Ok(())
+        Ok(out)
     }
 
     /// Records a batch as one node (nothing if it is empty), then lets go
@@ -440,7 +454,7 @@ impl DeviceBatch {
         t.device(self.device).weight(ops.len() as u32);
         // Distinct: `Open::note` names each Var once. A Var the batch writes
         // and nothing holds any more is left out of the node: it is the
-        // output of one of its ops, made new for it (`output_var`), so no
+        // output of one of its ops, made new for it (`push`), so no
         // earlier node named it, and no later one can. In a loop that keeps
         // only its last value, the node names 2 Vars instead of 257.
         for ((var, read, write), held) in vars.iter().zip(held) {
@@ -619,14 +633,16 @@ impl Batches for DeviceBatch {
     /// Records every open batch, oldest first (the lock is held meanwhile:
     /// see the module's comment).
     fn close(&self, engine: &Engine) {
-        let mut batches = lock(&self.open);
-        for open in std::mem::take(&mut *batches) {
+        let mut state = lock(&self.open);
+        for open in std::mem::take(&mut state.batches) {
             self.record(engine, open);
         }
     }
 
     fn retire(&self) {
         self.spares.close();
+        let local = std::mem::take(&mut lock(&self.open).spares);
+        drop(local);
     }
 }
 
@@ -637,7 +653,7 @@ mod tests {
 
     fn spares(engine: &Engine) -> usize {
         let batches = DeviceBatch::cpu(engine).expect("the CPU batches");
-        batches.spares.len()
+        batches.spares.len() + lock(&batches.open).spares.len()
     }
 
     /// A batch's node names the values it computes that are still held, and

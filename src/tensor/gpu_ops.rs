@@ -398,7 +398,6 @@ impl Tensor {
         check_size(&gpu, name, &out_shape, location)?;
         let dims: super::fusion::Dims = super::fusion::Dims::from_slice(out_shape.dims());
         let n = out_shape.numel();
-        let out = self.output(out_shape);
         let batches = match self.engine().mode() {
             crate::Mode::Sync => None,
             _ => super::batch::DeviceBatch::of(self.engine(), &gpu, self.device),
@@ -406,9 +405,10 @@ impl Tensor {
         if let Some(batches) = batches {
             // One node per batch of ops, recorded when something else needs
             // them (see `batch.rs`).
-            batches.push(self.engine(), name, location, &dims, op, inputs, &out.var)?;
-            return Ok(out);
+            let var = batches.push(self.engine(), name, location, &dims, op, inputs)?;
+            return Ok(self.output_in(out_shape, var));
         }
+        let out = self.output(out_shape);
         let mut t = self.engine().task_at(name, location);
         t.device(self.device);
         let mut tokens: Vec<FusedToken> = Vec::new();

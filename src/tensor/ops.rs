@@ -144,7 +144,7 @@ impl Tensor {
     }
 
     /// An output of shape `shape` on this tensor's device, in `var`.
-    fn output_in(&self, shape: Shape, var: crate::Var<Data>) -> Tensor {
+    pub(super) fn output_in(&self, shape: Shape, var: crate::Var<Data>) -> Tensor {
         Tensor {
             shape,
             var,
@@ -211,19 +211,10 @@ impl Tensor {
             return None;
         }
         let batches = DeviceBatch::cpu(self.engine())?;
-        let out = self.output_in(shape.clone(), batches.output_var(self.engine()));
         Some(
             batches
-                .push(
-                    self.engine(),
-                    name,
-                    location,
-                    shape.dims(),
-                    op,
-                    inputs,
-                    &out.var,
-                )
-                .map(|()| out),
+                .push(self.engine(), name, location, shape.dims(), op, inputs)
+                .map(|var| self.output_in(shape.clone(), var)),
         )
     }
 
