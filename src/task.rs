@@ -254,6 +254,23 @@ impl<'e> TaskBuilder<'e> {
         self.record(f, false).map(drop)
     }
 
+    /// Like [`TaskBuilder::push_fallible`], for a task that declared
+    /// nothing: it makes `accesses` (Vars of this engine, each once), which
+    /// the caller keeps alive until this returns. For the tensor layer's
+    /// batches, whose Vars are held meanwhile: no handle per access to take
+    /// and drop.
+    pub(crate) fn push_accesses(
+        self,
+        accesses: &mut SmallVec<[Access<'_>; 4]>,
+        f: impl FnOnce() -> std::result::Result<(), String> + Send + 'static,
+    ) -> Result<()> {
+        debug_assert!(self.vars.is_empty(), "declared and given accesses");
+        self.engine
+            .shared()
+            .record(self.meta, accesses, f, false)
+            .map(drop)
+    }
+
     /// Records the task; with `handle`, returns its node (to wait on).
     #[inline]
     fn record<F>(self, f: F, handle: bool) -> Result<Option<NodeRef>>

@@ -37,7 +37,7 @@ use super::fusion::{record_order, BatchOp, Dims, ElemOp, Fuser, Input, MAX_OPS};
 use super::{Data, Tensor};
 use crate::device::gpu::Gpu;
 use crate::device::Device;
-use crate::engine::{Batches, Engine};
+use crate::engine::{Access, Batches, Engine};
 use crate::error::{Location, RunningOp};
 use crate::var::{Read, Spare, Spares, Var, Write};
 use smallvec::SmallVec;
@@ -109,8 +109,9 @@ struct Open {
     /// Each Var's place in `vars`, by its queue's key: an op looks its
     /// inputs up on the recording thread, so no scan of the batch.
     places: rustc_hash::FxHashMap<usize, usize>,
-    /// The shapes the ops name (a shape may appear more than once).
-    shapes: Vec<Dims>,
+    /// The shapes the ops name (a shape may appear more than once). Vecs,
+    /// not inline `Dims`: a batch has a few, and each op compares with them.
+    shapes: Vec<Vec<usize>>,
 }
 
 impl Open {
@@ -151,13 +152,14 @@ impl Open {
     fn shape(&mut self, dims: &[usize]) -> u32 {
         // Element by element: a slice's `==` calls `memcmp`, which costs
         // more than these few words.
-        let same = |s: &Dims| s.len() == dims.len() && s.iter().zip(dims).all(|(a, b)| a == b);
+        let same =
+            |s: &Vec<usize>| s.len() == dims.len() && s.iter().zip(dims).all(|(a, b)| a == b);
         let recent = self.shapes.len().saturating_sub(4);
         let found = self.shapes[recent..].iter().rposition(same);
         let at = match found {
             Some(i) => recent + i,
             None => {
-                self.shapes.push(Dims::from_slice(dims));
+                self.shapes.push(dims.to_vec());
                 self.shapes.len() - 1
             }
         };
@@ -426,7 +428,7 @@ impl DeviceBatch {
         engine: &Engine,
         ops: Vec<Op>,
         vars: &[(Var<Data>, bool, bool)],
-        shapes: Vec<Dims>,
+        shapes: Vec<Vec<usize>>,
     ) {
         let gpu = match &self.backend {
             Backend::Cpu => None,
@@ -457,28 +459,35 @@ impl DeviceBatch {
         // output of one of its ops, made new for it (`push`), so no
         // earlier node named it, and no later one can. In a loop that keeps
         // only its last value, the node names 2 Vars instead of 257.
-        for ((var, read, write), held) in vars.iter().zip(held) {
-            if *write && !held {
-                continue;
-            }
-            t.declare_unchecked(var, *read, *write);
-        }
+        // The accesses are given to the graph as they are: `vars` holds the
+        // Vars until the node is recorded.
+        let mut accesses: SmallVec<[Access<'_>; 4]> = vars
+            .iter()
+            .zip(held)
+            .filter(|((_, _, write), held)| !*write || *held)
+            .map(|((var, read, write), _)| Access {
+                var: var.queue(),
+                read: *read,
+                write: *write,
+            })
+            .collect();
         let Some(gpu) = gpu else {
             let places = vars.len();
             let counters = engine.counters().clone();
             let spares = self.spares.clone();
-            let _ =
-                t.push_fallible(move || run_on_cpu(ops, &shapes, keep, places, &counters, &spares));
+            let _ = t.push_accesses(&mut accesses, move || {
+                run_on_cpu(ops, &shapes, keep, places, &counters, &spares)
+            });
             return;
         };
         let pending = gpu.expect_node();
         // The node's failure (a lost device, say) poisons every Var it
         // writes; a failure inside names the op that met it.
-        let _ = t.push_fallible(move || {
+        let _ = t.push_accesses(&mut accesses, move || {
             let key = crate::error::running_ops().last().map_or(0, |o| o.key);
             let mut batch = Vec::with_capacity(ops.len());
             for (op, keep) in ops.into_iter().zip(keep) {
-                let dims = shapes[op.dims as usize].clone();
+                let dims = Dims::from_slice(&shapes[op.dims as usize]);
                 let n: usize = dims.iter().product();
                 *op.out.write() = Data::Gpu(gpu.alloc_lazy(n)?);
                 batch.push(BatchOp {
@@ -490,7 +499,7 @@ impl DeviceBatch {
                         .take(usize::from(op.arity))
                         .map(|i| match i {
                             Operand::Tensor(token, shape, _) => {
-                                Input::Tensor(token, shapes[shape as usize].clone())
+                                Input::Tensor(token, Dims::from_slice(&shapes[shape as usize]))
                             }
                             Operand::Scalar(s) => Input::Scalar(s),
                         })
@@ -517,7 +526,7 @@ impl DeviceBatch {
 /// this function until their last reader ran, and are never written.
 fn run_on_cpu(
     ops: Vec<Op>,
-    shapes: &[Dims],
+    shapes: &[Vec<usize>],
     keep: Vec<bool>,
     places: usize,
     counters: &crate::engine::Counters,
