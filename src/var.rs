@@ -499,6 +499,22 @@ impl<T> Var<T> {
         }
     }
 
+    /// [`Var::clone`] and [`Var::write_token`] for a Var that no other
+    /// thread can reach yet (an op's output, made for it): the counts are
+    /// raised without a locked instruction.
+    pub(crate) fn new_output_handles(&self) -> (Var<T>, Write<T>) {
+        let (handles, version) = (&self.inner.handles, &self.inner.version);
+        handles.store(handles.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        version.store(version.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        let var = Var {
+            inner: self.inner.clone(),
+        };
+        let write = Write {
+            storage: self.inner.clone(),
+        };
+        (var, write)
+    }
+
     pub(crate) fn write_token(&self) -> Write<T> {
         // Relaxed: only the recording thread compares versions (the tape checks
         // that a value it saved was not overwritten by a later recorded write).

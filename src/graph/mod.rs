@@ -433,6 +433,15 @@ impl<J> VarQueue<J> {
         self.held.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// [`VarQueue::hold`] for the Var of a new value that no other thread
+    /// can reach yet (nothing held it before): a plain store. Whoever gets
+    /// the Var later gets it through something that orders this store
+    /// before (the batch's lock, the handing over of the handle).
+    pub(crate) fn hold_new(&self) {
+        debug_assert_eq!(self.held.load(Ordering::Relaxed), 0, "a new Var");
+        self.held.store(1, Ordering::Relaxed);
+    }
+
     /// Notes that a batch that named the Var has recorded its node.
     pub(crate) fn release(&self) {
         self.held.fetch_sub(1, Ordering::SeqCst);

@@ -136,6 +136,18 @@ impl Open {
     /// [`Open::note`] for a Var the batch does not name yet.
     fn note_new(&mut self, var: &Var<Data>, read: bool, write: bool) -> usize {
         var.queue().hold();
+        self.add(var.clone(), read, write)
+    }
+
+    /// Adds the output of an op, a Var made for it that no other thread
+    /// can reach yet, and returns its place and its write token.
+    fn note_output(&mut self, out: &Var<Data>) -> (usize, Write<Data>) {
+        out.queue().hold_new();
+        let (var, write) = out.new_output_handles();
+        (self.add(var, false, true), write)
+    }
+
+    fn add(&mut self, var: Var<Data>, read: bool, write: bool) -> usize {
         if self.places.is_empty() {
             // A batch names about one Var per op: grown once.
             self.places.reserve(MAX_OPS + 1);
@@ -143,7 +155,7 @@ impl Open {
             self.ops.reserve(MAX_OPS);
         }
         self.places.insert(var.queue().key(), self.vars.len());
-        self.vars.push((var.clone(), read, write));
+        self.vars.push((var, read, write));
         self.vars.len() - 1
     }
 
@@ -214,6 +226,10 @@ pub(crate) struct DeviceBatch {
 #[derive(Default)]
 struct State {
     batches: Vec<Open>,
+    /// The CPU's record order of ops (a batch's ops are sorted by it when
+    /// batches merge): counted here, under the lock. A GPU's comes from
+    /// [`record_order`], shared with the fuser's other ops.
+    seq: u64,
     /// Spares moved out of [`DeviceBatch::spares`] in one go, drawn from
     /// one per op: the recording thread takes the workers' lock once per
     /// few hundred outputs instead of once per output.
@@ -292,7 +308,11 @@ impl DeviceBatch {
         // batch fits under the bound.
         engine.shared().throttle(MAX_OPS);
         let mut state = lock(&self.open);
-        let State { batches, spares } = &mut *state;
+        let State {
+            batches,
+            spares,
+            seq,
+        } = &mut *state;
         if spares.is_empty() {
             self.spares.take_into(spares);
         }
@@ -387,8 +407,15 @@ impl DeviceBatch {
             };
         }
         // New: not in the batch, no lookup.
-        let out_var = open.note_new(&out, false, true) as u32;
+        let (out_var, write) = open.note_output(&out);
         let dims = open.shape(dims);
+        let seq = match self.backend {
+            Backend::Cpu => {
+                *seq += 1;
+                *seq
+            }
+            Backend::Gpu(_) => record_order(),
+        };
         open.ops.push(Op {
             name,
             location,
@@ -396,9 +423,9 @@ impl DeviceBatch {
             arity: inputs.len().min(2) as u8,
             dims,
             inputs: operands,
-            out: out.write_token(),
-            out_var,
-            seq: record_order(),
+            out: write,
+            out_var: out_var as u32,
+            seq,
         });
         Ok(out)
     }
