@@ -149,6 +149,9 @@ impl<'e> TaskBuilder<'e> {
         write: bool,
     ) {
         self.check_engine(var);
+        if self.vars.len() == self.vars.inline_size() {
+            spill(&mut self.vars);
+        }
         self.vars.push((var.tracked(), read, write));
     }
 
@@ -303,4 +306,11 @@ impl<'e> TaskBuilder<'e> {
         }
         Ok(accesses)
     }
+}
+
+/// Past the inline few, room for 16 declared Vars at once rather than a
+/// reallocation per doubling.
+#[cold]
+fn spill(vars: &mut SmallVec<[Declared; 4]>) {
+    vars.reserve(16 - vars.len());
 }
