@@ -1,7 +1,7 @@
 //! Generic tasks: any CPU closure with declared reads and writes, recorded as a node.
 
 use crate::device::Device;
-use crate::engine::{device_lane, Access, Completion, Engine, Mode, NodeRef, Tracked};
+use crate::engine::{device_lane, Access, Accesses, Completion, Engine, Mode, NodeRef, Tracked};
 use crate::error::{Location, Result};
 use crate::graph::NodeMeta;
 use crate::var::{Read, Var, Write};
@@ -264,7 +264,7 @@ impl<'e> TaskBuilder<'e> {
     /// and drop.
     pub(crate) fn push_accesses(
         self,
-        accesses: &mut SmallVec<[Access<'_>; 4]>,
+        accesses: &mut Accesses<'_>,
         f: impl FnOnce() -> std::result::Result<(), String> + Send + 'static,
     ) -> Result<()> {
         debug_assert!(self.vars.is_empty(), "declared and given accesses");
@@ -289,7 +289,7 @@ impl<'e> TaskBuilder<'e> {
     /// The declared Vars as the graph records them, or the error for a Var
     /// of another engine.
     #[inline]
-    fn accesses(&self) -> Result<SmallVec<[Access<'_>; 4]>> {
+    fn accesses(&self) -> Result<Accesses<'_>> {
         if self.mismatch {
             return Err(crate::error::Error::EngineMismatch {
                 op: self.meta.name,

@@ -204,6 +204,7 @@ pub(crate) type NodeRef = graph::NodeRef<Job>;
 pub(crate) type VarQueue = graph::VarQueue<Job>;
 /// One Var named by a node being recorded.
 pub(crate) type Access<'a> = graph::Access<'a, Job>;
+pub(crate) type Accesses<'a> = graph::Accesses<'a, Job>;
 
 /// A Var handle, type-erased: what the engine needs of a Var.
 pub(crate) trait Tracked: Send + Sync {
@@ -862,7 +863,7 @@ impl Shared {
     pub(crate) fn record<F>(
         &self,
         meta: NodeMeta,
-        accesses: &mut SmallVec<[Access<'_>; 4]>,
+        accesses: &mut Accesses<'_>,
         f: F,
         handle: bool,
     ) -> Result<Option<NodeRef>>
@@ -883,7 +884,7 @@ impl Shared {
     pub(crate) fn record_deferred<F>(
         &self,
         meta: NodeMeta,
-        accesses: &mut SmallVec<[Access<'_>; 4]>,
+        accesses: &mut Accesses<'_>,
         f: F,
         eager: bool,
     ) -> Result<NodeRef>
@@ -905,7 +906,7 @@ impl Shared {
     pub(crate) fn record_job(
         &self,
         meta: NodeMeta,
-        accesses: &mut SmallVec<[Access<'_>; 4]>,
+        accesses: &mut Accesses<'_>,
         job: impl FnOnce(Option<Job>) -> Job,
         spare: Option<NodeRef>,
         handle: bool,

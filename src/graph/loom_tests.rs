@@ -14,7 +14,7 @@ fn meta(name: &'static str) -> NodeMeta {
     }
 }
 
-fn access(var: &VarQueue<u32>, read: bool, write: bool) -> SmallVec<[Access<'_, u32>; 4]> {
+fn access(var: &VarQueue<u32>, read: bool, write: bool) -> Accesses<'_, u32> {
     let mut a = SmallVec::new();
     a.push(Access { var, read, write });
     a

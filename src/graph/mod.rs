@@ -497,6 +497,12 @@ impl<J> VarState<J> {
     }
 }
 
+/// The Vars a node being recorded names. Inline up to 4: inline up to 16
+/// (and the locks taken over them), `many_reads` ran 1% fewer instructions
+/// and `chain` 13% more (the list is moved, and the locks' list made, for
+/// every record).
+pub(crate) type Accesses<'a, J> = SmallVec<[Access<'a, J>; 4]>;
+
 /// One Var named by a node being recorded.
 pub(crate) struct Access<'a, J> {
     pub(crate) var: &'a VarQueue<J>,
@@ -519,7 +525,7 @@ pub(crate) struct Access<'a, J> {
 /// Returns the node and whether it is ready now (the caller hands it out).
 pub(crate) fn record<J>(
     meta: NodeMeta,
-    accesses: &mut SmallVec<[Access<'_, J>; 4]>,
+    accesses: &mut Accesses<'_, J>,
     job: impl FnOnce(Option<J>) -> J,
     demanded: bool,
     spare: Option<NodeRef<J>>,

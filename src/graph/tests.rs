@@ -13,7 +13,7 @@ type Q = VarQueue<u32>;
 
 /// Records a Lazy node reading `reads` and writing `writes`.
 fn rec(name: &'static str, reads: &[&Q], writes: &[&Q], job: u32) -> NodeRef<u32> {
-    let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
+    let mut acc: Accesses<'_, u32> = SmallVec::new();
     acc.extend(reads.iter().map(|v| Access {
         var: *v,
         read: true,
@@ -83,7 +83,7 @@ fn targeted_demand_leaves_unrelated_nodes() {
 #[test]
 fn a_node_demanded_at_record_is_ready_at_once() {
     let x = Q::default();
-    let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
+    let mut acc: Accesses<'_, u32> = SmallVec::new();
     acc.push(Access {
         var: &x,
         read: true,
@@ -91,7 +91,7 @@ fn a_node_demanded_at_record_is_ready_at_once() {
     });
     let (a, ready) = record(meta("a"), &mut acc, |_| 1, true, None);
     assert!(ready);
-    let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
+    let mut acc: Accesses<'_, u32> = SmallVec::new();
     acc.push(Access {
         var: &x,
         read: true,
@@ -239,7 +239,7 @@ fn a_waiter_is_woken_by_the_completion() {
 /// Records a demanded write of `var` into `spare`: the node, and the spent job
 /// its job was made from (`None` if the spare was not reused or gave none).
 fn rec_into(var: &Q, spare: NodeRef<u32>, job: u32) -> (NodeRef<u32>, Option<u32>) {
-    let mut acc: SmallVec<[Access<'_, u32>; 4]> = SmallVec::new();
+    let mut acc: Accesses<'_, u32> = SmallVec::new();
     acc.push(Access {
         var,
         read: false,

@@ -37,7 +37,7 @@ use super::fusion::{record_order, BatchOp, Dims, ElemOp, Fuser, Input, MAX_OPS};
 use super::{Data, Tensor};
 use crate::device::gpu::Gpu;
 use crate::device::Device;
-use crate::engine::{Access, Batches, Engine};
+use crate::engine::{Access, Accesses, Batches, Engine};
 use crate::error::{Location, RunningOp};
 use crate::var::{Read, Spare, Spares, Var, Write};
 use smallvec::SmallVec;
@@ -488,7 +488,7 @@ impl DeviceBatch {
         // only its last value, the node names 2 Vars instead of 257.
         // The accesses are given to the graph as they are: `vars` holds the
         // Vars until the node is recorded.
-        let mut accesses: SmallVec<[Access<'_>; 4]> = vars
+        let mut accesses: Accesses<'_> = vars
             .iter()
             .zip(held)
             .filter(|((_, _, write), held)| !*write || *held)
