@@ -488,16 +488,16 @@ impl DeviceBatch {
         // only its last value, the node names 2 Vars instead of 257.
         // The accesses are given to the graph as they are: `vars` holds the
         // Vars until the node is recorded.
-        let mut accesses: Accesses<'_> = vars
-            .iter()
-            .zip(held)
-            .filter(|((_, _, write), held)| !*write || *held)
-            .map(|((var, read, write), _)| Access {
-                var: var.queue(),
-                read: *read,
-                write: *write,
-            })
-            .collect();
+        let mut accesses = Accesses::with_capacity(vars.len());
+        for ((var, read, write), held) in vars.iter().zip(held) {
+            if !*write || held {
+                accesses.push(Access {
+                    var: var.queue(),
+                    read: *read,
+                    write: *write,
+                });
+            }
+        }
         let Some(gpu) = gpu else {
             let places = vars.len();
             let counters = engine.counters().clone();

@@ -9,9 +9,19 @@ use smallvec::SmallVec;
 ///
 /// A shape of rank 0 describes a scalar, which holds one element.
 /// Up to four dimensions are stored inline without allocating.
-#[derive(Clone, PartialEq, Eq, Hash, Default)]
+#[derive(PartialEq, Eq, Hash, Default)]
 pub struct Shape {
     dims: SmallVec<[usize; 4]>,
+}
+
+impl Clone for Shape {
+    fn clone(&self) -> Shape {
+        // The words copied at once: SmallVec's own `clone` pushes them one
+        // by one, and every op's output shape is a clone.
+        Shape {
+            dims: SmallVec::from_slice(&self.dims),
+        }
+    }
 }
 
 impl Shape {
@@ -63,6 +73,11 @@ impl Shape {
     /// dimensions count as 1, and each aligned pair must be equal or contain
     /// a 1 (which stretches to the other size, including to 0).
     pub fn broadcast(a: &Shape, b: &Shape) -> Option<Shape> {
+        let (da, db) = (a.dims(), b.dims());
+        if da.len() == db.len() && da.iter().zip(db).all(|(x, y)| x == y) {
+            // The usual case, without the walk.
+            return Some(a.clone());
+        }
         let rank = a.rank().max(b.rank());
         let mut dims: SmallVec<[usize; 4]> = SmallVec::from_elem(1, rank);
         for (i, d) in dims.iter_mut().enumerate() {
