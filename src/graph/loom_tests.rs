@@ -1,6 +1,7 @@
 //! Loom models of the graph's protocols (`RUSTFLAGS="--cfg loom" cargo test
-//! --release --lib loom`): the dependency count, the Var queue racing with
-//! completions, two records crossing on shared Vars, and the blocker latch.
+//! --release --lib loom`): the dependency count, the lock-free list of
+//! dependents, the Var queue racing with completions, two records crossing
+//! on shared Vars, and the blocker latch.
 
 use super::*;
 use crate::sync::AtomicUsize;
@@ -83,6 +84,42 @@ fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
         }
         let (_, skip) = r.take_job().unwrap();
         assert!(skip.is_some(), "the reader of a failed write is skipped");
+    });
+}
+
+/// Two readers join a writer's list of dependents on two threads while a
+/// third completes the writer: each reader is handed out exactly once (by
+/// its record, or by the completion that took its link), and every strong
+/// count a link held is given back (loom fails a model that leaks one).
+#[test]
+fn links_pushed_while_the_list_closes_are_each_released_once() {
+    loom::model(|| {
+        let x = Arc::new(VarQueue::<u32>::default());
+        let (w, ready) = record(meta("w"), &mut access(&x, false, true), |_| 1, true, None);
+        assert!(ready);
+        let handed = Arc::new(AtomicUsize::new(0));
+        let (w2, h2) = (w.clone(), handed.clone());
+        let completer = loom::thread::spawn(move || {
+            complete(&w2, Outcome::Done, None).wake(&mut |_| {
+                h2.fetch_add(1, Ordering::SeqCst);
+            });
+        });
+        let (x2, h3) = (x.clone(), handed.clone());
+        let reader = loom::thread::spawn(move || {
+            let (r, ready) = record(meta("r1"), &mut access(&x2, true, false), |_| 2, true, None);
+            if ready {
+                h3.fetch_add(1, Ordering::SeqCst);
+            }
+            r
+        });
+        let (r2, ready) = record(meta("r2"), &mut access(&x, true, false), |_| 3, true, None);
+        if ready {
+            handed.fetch_add(1, Ordering::SeqCst);
+        }
+        completer.join().unwrap();
+        let r1 = reader.join().unwrap();
+        assert_eq!(handed.load(Ordering::SeqCst), 2);
+        assert!(r1.take_job().is_some() && r2.take_job().is_some());
     });
 }
 

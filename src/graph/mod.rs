@@ -8,8 +8,10 @@
 //!   A queue remembers the Var's last writer and the readers since that write, so
 //!   the node waits for exactly what it must: the last writer of what it reads
 //!   (read-after-write), and the last writer plus the readers of what it writes
-//!   (write-after-write, write-after-read). Each such node gets the new one in its
-//!   list of dependents.
+//!   (write-after-write, write-after-read). The new node's link joins each such
+//!   node's list of dependents: a lock-free stack of links kept in the waiting
+//!   nodes, with no allocation, lock or reference count per edge (the crate's
+//!   only `unsafe` code; see `README.md`).
 //! - **The count** ([`Node::pending`]): unfinished dependencies, plus one while
 //!   the node is being recorded, plus one until it is demanded (Lazy mode).
 //!   Whoever brings it to zero hands the node out, exactly once.
@@ -31,7 +33,8 @@ mod analysis;
 
 use crate::error::{Error, Location, SharedError};
 use crate::sync::{
-    fence_seq_cst, get_mut, lock, Arc, AtomicBool, AtomicU32, Condvar, Mutex, MutexGuard, Ordering,
+    fence_seq_cst, get_mut, lock, Arc, AtomicBool, AtomicPtr, AtomicU32, Condvar, Mutex,
+    MutexGuard, Ordering,
 };
 use smallvec::SmallVec;
 
@@ -65,10 +68,40 @@ pub(crate) enum Outcome {
     Skipped(SharedError),
 }
 
-/// The bit of a [`Node::dep_keys`] entry that says the node reads what that
-/// dependency writes (a failure there skips it). Node addresses are aligned,
-/// so the bit is free.
+/// The bit of a [`Link::key`] that says the node reads what that dependency
+/// writes (a failure there skips it). Node addresses are aligned, so the bit
+/// is free.
 const READS: usize = 1;
+
+/// One of a node's dependencies, and the node's place in that dependency's
+/// list of dependents: the list is a lock-free stack of the links of the
+/// nodes that wait (see [`Node::dependents`]). Kept in the waiting node, so
+/// that joining a list allocates nothing and takes no lock.
+pub(crate) struct Link<J> {
+    /// The dependency's address, with [`READS`] set if the node reads what
+    /// it writes (fixed once the node is filled, read without the lock).
+    key: usize,
+    /// The link after this one in the dependency's list.
+    next: AtomicPtr<Link<J>>,
+    /// The node the link belongs to (set as it joins the list).
+    owner: AtomicPtr<Node<J>>,
+}
+
+impl<J> Link<J> {
+    fn new(key: usize) -> Self {
+        Link {
+            key,
+            next: AtomicPtr::new(std::ptr::null_mut()),
+            owner: AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+}
+
+/// The head of a completed node's list of dependents: joining is refused.
+/// (An odd address, which no link can have.)
+fn closed<J>() -> *mut Link<J> {
+    std::ptr::without_provenance_mut(1)
+}
 
 /// Dependencies above which [`Node::fill`] makes room for all at once, and
 /// finds one met twice in a table instead of a search.
@@ -90,17 +123,17 @@ fn seen_slot(key: usize) -> usize {
 #[inline(always)]
 fn add_dep<J>(
     deps: &mut SmallVec<[NodeRef<J>; 2]>,
-    keys: &mut SmallVec<[usize; 2]>,
+    links: &mut SmallVec<[Link<J>; 2]>,
     found: Option<usize>,
     d: &NodeRef<J>,
     reads: bool,
 ) {
     let bit = if reads { READS } else { 0 };
     match found {
-        Some(i) => keys[i] |= bit,
+        Some(i) => links[i].key |= bit,
         None => {
             deps.push(d.clone());
-            keys.push(d.key() | bit);
+            links.push(Link::new(d.key() | bit));
         }
     }
 }
@@ -161,24 +194,33 @@ pub(crate) struct Node<J> {
     /// between each store and load (Dekker-style): one of the two sees the
     /// other, so a latch is either taken and set by the waker or not waited on.
     has_waiters: AtomicBool,
-    /// Whether it failed or was skipped (Release, before the dependent lists
-    /// close), so that a recorder locks `state` only to fetch an error that
+    /// Whether it failed or was skipped (Release, before the dependent list
+    /// closes), so that a recorder locks `state` only to fetch an error that
     /// exists.
     failed: AtomicBool,
+    /// The nodes waiting for this one: a stack of their [`Link`]s, pushed
+    /// by recorders with a compare-and-swap, and taken whole by [`complete`],
+    /// which leaves [`closed`] in its place (a recorder that finds it counts
+    /// the node out instead of joining). Each link's node is held by one
+    /// strong count of its own while any of its links is in a list
+    /// ([`Node::linked`]).
+    dependents: AtomicPtr<Link<J>>,
+    /// Whether the node holds the strong count of its links: taken by
+    /// [`record`] before its first link joins a list, and given up (or
+    /// handed out with the node) by whoever brings [`Node::pending`] to
+    /// zero.
+    linked: AtomicBool,
     /// The Vars it writes, by address (deadlock checks of blockers).
     writes: SmallVec<[usize; 2]>,
-    /// The addresses of the nodes it waited for when recorded, in the order
-    /// of `State::deps`, each with [`READS`] set if it reads what that node
-    /// writes (fixed, read without the lock; compared only with nodes the
-    /// caller holds, whose addresses no other node can have taken).
-    dep_keys: SmallVec<[usize; 2]>,
+    /// The nodes it waited for when recorded, in the order of `State::deps`
+    /// (their keys are fixed, read without the lock; compared only with
+    /// nodes the caller holds, whose addresses no other node can have
+    /// taken).
+    links: SmallVec<[Link<J>; 2]>,
     state: Mutex<State<J>>,
 }
 
 struct State<J> {
-    /// Set by [`complete`] when it takes the dependent list: a recorder that
-    /// finds it set counts the node out instead of joining the list.
-    closed: bool,
     /// `None` once handed out.
     job: Option<J>,
     /// The job after it ran, given back by [`complete`]: its allocation may hold
@@ -190,10 +232,8 @@ struct State<J> {
     err: Option<SharedError>,
     /// Nodes this one waits for (the demand walk and deadlock checks follow
     /// them); cleared on completion, so finished nodes do not hold a chain.
+    /// They also keep the nodes whose lists [`Node::links`] join alive.
     deps: SmallVec<[NodeRef<J>; 2]>,
-    /// Nodes waiting for this one, each with whether it reads what this writes
-    /// (then a failure here skips it).
-    dependents: SmallVec<[(NodeRef<J>, bool); 2]>,
     /// Blockers to wake on completion.
     waiters: SmallVec<[Arc<Latch>; 1]>,
 }
@@ -208,16 +248,16 @@ impl<J> Node<J> {
             done: AtomicBool::new(true),
             has_waiters: AtomicBool::new(false),
             failed: AtomicBool::new(false),
+            dependents: AtomicPtr::new(closed()),
+            linked: AtomicBool::new(false),
             writes: SmallVec::new(),
-            dep_keys: SmallVec::new(),
+            links: SmallVec::new(),
             state: Mutex::new(State {
-                closed: false,
                 job: None,
                 spent: None,
                 skip: None,
                 err: None,
                 deps: SmallVec::new(),
-                dependents: SmallVec::new(),
                 waiters: SmallVec::new(),
             }),
         }
@@ -242,30 +282,33 @@ impl<J> Node<J> {
         self.done.store(false, Ordering::Relaxed);
         self.has_waiters.store(false, Ordering::Relaxed);
         self.failed.store(false, Ordering::Relaxed);
+        debug_assert!(self.dependents.load(Ordering::Relaxed) == closed());
+        self.dependents
+            .store(std::ptr::null_mut(), Ordering::Relaxed);
+        self.linked.store(false, Ordering::Relaxed);
         self.writes.clear();
-        self.dep_keys.clear();
+        self.links.clear();
         let st = get_mut(&mut self.state);
-        st.closed = false;
         st.job = Some(job);
         st.spent = None;
         st.skip = None;
         st.err = None;
         // Emptied when the node completed (its lists) and woke (its waiters).
-        debug_assert!(st.deps.is_empty() && st.dependents.is_empty() && st.waiters.is_empty());
+        debug_assert!(st.deps.is_empty() && st.waiters.is_empty());
         // Room made once for a node of many accesses (or dependencies), which
         // would otherwise grow each list by reallocation, costlier than the
         // rest of the record. Not for a few: `most_deps` is a bound, and room
         // made for 3 of which 2 were needed spilled lists that fit in place.
         if most_deps > MANY_DEPS {
             st.deps.reserve(most_deps);
-            self.dep_keys.reserve(most_deps);
+            self.links.reserve(most_deps);
         }
         // A dependency met twice (the last writer of one Var and a reader of
         // another, say) is added once: found by a search of the list for a
         // few, by a small table of their places for many (the search was a
         // tenth of the instructions of `many_reads`, about 20 per node). Two
         // copies of the walk, so that the few pay nothing for the table.
-        let (deps, skip, keys) = (&mut st.deps, &mut st.skip, &mut self.dep_keys);
+        let (deps, skip, links) = (&mut st.deps, &mut st.skip, &mut self.links);
         let writes = &mut self.writes;
         if most_deps > MANY_DEPS && most_deps <= SEEN_SLOTS / 2 {
             let mut places = [0u32; SEEN_SLOTS];
@@ -281,16 +324,16 @@ impl<J> Node<J> {
                     let found = loop {
                         match places[h] {
                             0 => {
-                                places[h] = keys.len() as u32 + 1;
+                                places[h] = links.len() as u32 + 1;
                                 break None;
                             }
-                            p if keys[p as usize - 1] & !READS == key => {
+                            p if links[p as usize - 1].key & !READS == key => {
                                 break Some(p as usize - 1)
                             }
                             _ => h = (h + 1) % SEEN_SLOTS,
                         }
                     };
-                    add_dep(deps, keys, found, d, reads);
+                    add_dep(deps, links, found, d, reads);
                 },
             );
         } else {
@@ -302,8 +345,8 @@ impl<J> Node<J> {
                 #[inline(always)]
                 |d, reads| {
                     let key = d.key();
-                    let found = keys.iter().position(|k| *k & !READS == key);
-                    add_dep(deps, keys, found, d, reads);
+                    let found = links.iter().position(|l| l.key & !READS == key);
+                    add_dep(deps, links, found, d, reads);
                 },
             );
         }
@@ -372,7 +415,7 @@ impl<J> Node<J> {
     /// Whether it waited for `other` directly when it was recorded (`other`
     /// held by the caller).
     pub(crate) fn waits_for(&self, other: &Node<J>) -> bool {
-        self.dep_keys.iter().any(|&k| k & !READS == other.key())
+        self.links.iter().any(|l| l.key & !READS == other.key())
     }
 
     /// Whether it was demanded.
@@ -596,42 +639,73 @@ pub(crate) fn record<J>(
     drop(guards);
 
     // Join each dependency's list, or count it out if it finished meanwhile
-    // (its outcome is final then: a failed writer of an input skips the node).
-    // Under the node's own lock, taken before each dependency's: the only two
-    // state locks ever held at once, always newer node first (a dependency is
-    // older than its dependent: it was in a Var queue before the dependent's
-    // record began), so no two threads can wait for each other. A demand that
-    // reaches the node meanwhile waits for the lock and sees every dependency.
+    // (its outcome is final then: a failed writer of an input skips the
+    // node). A push of the node's own link with a compare-and-swap: no lock,
+    // no allocation, and no reference per edge; the node is held for all
+    // its lists by one strong count, taken before its first link joins one.
+    // A demand that reaches the node meanwhile sees every dependency: they
+    // were fixed before its Vars' queues let go.
+    let me = Arc::as_ptr(&node).cast_mut();
     let mut released = RECORDING;
-    {
-        let mut mine = lock(&node.state);
-        let mine = &mut *mine;
-        for (d, &key) in mine.deps.iter().zip(&node.dep_keys) {
-            let reads = key & READS != 0;
-            let mut s = lock(&d.state);
-            if s.closed {
-                if reads && d.failed.load(Ordering::Relaxed) && mine.skip.is_none() {
-                    mine.skip.clone_from(&s.err);
+    let mut skip = None;
+    for link in node.links.iter() {
+        // SAFETY: the key is a dependency's address, and `deps` holds that
+        // dependency until this node completes, which waits for the
+        // RECORDING unit released below.
+        let d = unsafe { &*((link.key & !READS) as *const Node<J>) };
+        let mut head = d.dependents.load(Ordering::Acquire);
+        loop {
+            if head == closed() {
+                if link.key & READS != 0 && skip.is_none() && d.failed.load(Ordering::Acquire) {
+                    skip.clone_from(&lock(&d.state).err);
                 }
                 released += 1;
-            } else {
-                if s.dependents.len() == s.dependents.capacity() {
-                    grow4(&mut s.dependents);
-                }
-                s.dependents.push((node.clone(), reads));
+                break;
+            }
+            if !node.linked.load(Ordering::Relaxed) {
+                let _count = Arc::into_raw(node.clone());
+                node.linked.store(true, Ordering::Relaxed);
+            }
+            link.owner.store(me, Ordering::Relaxed);
+            link.next.store(head, Ordering::Relaxed);
+            let at = std::ptr::from_ref(link).cast_mut();
+            // Release: whoever takes the list sees the link's fields.
+            match d
+                .dependents
+                .compare_exchange_weak(head, at, Ordering::Release, Ordering::Acquire)
+            {
+                Ok(_) => break,
+                Err(now) => head = now,
             }
         }
     }
+    if skip.is_some() {
+        let mut mine = lock(&node.state);
+        if mine.skip.is_none() {
+            mine.skip = skip;
+        }
+    }
     let ready = node.pending.fetch_sub(released, Ordering::AcqRel) == released;
+    if ready {
+        // Every link was taken (or none joined): the lists' count goes.
+        let_go_of_links(&node);
+    }
     (node, ready)
 }
 
-/// Makes room for 3 times the items `list` holds. For a node's dependents:
-/// one read by many (a Var's writer, read by every task until the next
-/// write) paid a reallocation per doubling, a tenth of `many_reads`.
-#[cold]
-fn grow4<A: smallvec::Array>(list: &mut SmallVec<A>) {
-    list.reserve(3 * list.len());
+/// Gives up the strong count a node held for its links, if it took one; by
+/// whoever brought its count to zero through something else than a link
+/// (which hands the count out instead), while holding a reference of its
+/// own.
+#[inline]
+fn let_go_of_links<J>(node: &NodeRef<J>) {
+    // Relaxed: the caller's AcqRel decrement to zero follows the recorder's
+    // last decrement, which followed the store.
+    if node.linked.load(Ordering::Relaxed) {
+        // SAFETY: the count taken in `record` with `Arc::into_raw`, given up
+        // once: only by the one that brought the count to zero.
+        unsafe { Arc::decrement_strong_count(Arc::as_ptr(node)) };
+    }
 }
 
 /// Marks `roots` and every unfinished node they wait for as demanded and hands
@@ -676,6 +750,7 @@ fn demand_from<J>(
             }
         }
         if n.pending.fetch_sub(UNDEMANDED, Ordering::AcqRel) == UNDEMANDED {
+            let_go_of_links(&n);
             ready(n);
         }
     }
@@ -690,16 +765,16 @@ fn demand_from<J>(
 #[must_use = "the node must be marked finished"]
 pub(crate) struct Finished<'a, J> {
     node: &'a Node<J>,
-    /// Taken from the node when it closed: its units are still held here.
-    dependents: SmallVec<[(NodeRef<J>, bool); 2]>,
+    /// The list of dependents taken from the node as it closed, oldest
+    /// first (null if empty): each link's unit is still held here.
+    dependents: *mut Link<J>,
     /// The failure that skips the dependents that read what the node wrote.
     err: Option<SharedError>,
 }
 
 impl<J> Finished<'_, J> {
     /// Marks the node finished, wakes its blockers and releases its
-    /// dependents (those that become ready go to `ready`, the first one
-    /// released first).
+    /// dependents (those that become ready go to `ready`, in record order).
     pub(crate) fn wake(self, ready: &mut impl FnMut(NodeRef<J>)) {
         let node = self.node;
         node.done.store(true, Ordering::Release);
@@ -710,7 +785,24 @@ impl<J> Finished<'_, J> {
                 w.set();
             }
         }
-        for (d, reads) in self.dependents {
+        let mut at = self.dependents;
+        while !at.is_null() {
+            // SAFETY: a link in the list taken by `complete`: its node
+            // cannot complete (nor let go of the link) before its unit is
+            // released below, and its fields were published by the
+            // compare-and-swap that pushed it (acquired by the swap that
+            // took the list). Nothing of it is touched after the release.
+            let (next, owner, reads) = unsafe {
+                let link = &*at;
+                (
+                    link.next.load(Ordering::Relaxed),
+                    link.owner.load(Ordering::Relaxed),
+                    link.key & READS != 0,
+                )
+            };
+            // SAFETY: held by the strong count its links hold, until the
+            // unit is released.
+            let d = unsafe { &*owner };
             if reads {
                 if let Some(e) = &self.err {
                     let mut s = lock(&d.state);
@@ -720,8 +812,11 @@ impl<J> Finished<'_, J> {
                 }
             }
             if d.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
-                ready(d);
+                // SAFETY: the count taken with `Arc::into_raw` in `record`,
+                // handed out by the one that brought the count to zero.
+                ready(unsafe { Arc::from_raw(owner.cast_const()) });
             }
+            at = next;
         }
     }
 }
@@ -744,18 +839,30 @@ pub(crate) fn complete<J>(
         })),
         Outcome::Skipped(e) => Some(e),
     };
-    let (dependents, deps) = {
+    let deps = {
         let mut s = lock(&node.state);
         s.spent = spent;
         s.err.clone_from(&err);
         node.failed.store(err.is_some(), Ordering::Release);
-        s.closed = true;
-        (
-            std::mem::take(&mut s.dependents),
-            std::mem::take(&mut s.deps),
-        )
+        std::mem::take(&mut s.deps)
     };
+    // AcqRel: a recorder that finds the list closed sees `failed` (and the
+    // error under the lock); this thread sees every link pushed before.
+    let mut stack = node.dependents.swap(closed(), Ordering::AcqRel);
     drop(deps);
+    // The stack holds the last to join first: turned around, so that the
+    // dependents are released in record order (the first one released runs
+    // next on this thread; the one recorded first should).
+    let mut dependents = std::ptr::null_mut();
+    while !stack.is_null() {
+        // SAFETY: a link in the list just taken, whose unit is still held
+        // (see `Finished::wake`); nobody else reads its `next` any more.
+        let link = unsafe { &*stack };
+        let next = link.next.load(Ordering::Relaxed);
+        link.next.store(dependents, Ordering::Relaxed);
+        dependents = stack;
+        stack = next;
+    }
     Finished {
         node,
         dependents,
