@@ -744,9 +744,13 @@ fn demand_from<J>(
         // node's dependencies are shared with its neighbours'.
         // Plain pushes: `extend` of a filter cost as much as the rest of the
         // step for the one or two dependencies most nodes have.
-        for d in lock(&n.state).deps.iter() {
-            if !d.is_done() && !d.demanded.load(Ordering::Relaxed) {
-                stack.push(d.clone());
+        // No lock for a node that waits for nothing (its links mirror its
+        // dependencies, and are fixed).
+        if !n.links.is_empty() {
+            for d in lock(&n.state).deps.iter() {
+                if !d.is_done() && !d.demanded.load(Ordering::Relaxed) {
+                    stack.push(d.clone());
+                }
             }
         }
         if n.pending.fetch_sub(UNDEMANDED, Ordering::AcqRel) == UNDEMANDED {
