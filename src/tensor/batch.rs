@@ -99,6 +99,13 @@ impl Op {
     }
 }
 
+/// Whether two shapes are equal, element by element: a slice's `==` calls
+/// `memcmp`, which costs more than these few words.
+#[inline]
+fn same_dims(a: &[usize], b: &[usize]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
+}
+
 /// One open batch: connected ops (each reads a value an earlier one in the
 /// batch computes, or starts it).
 #[derive(Default)]
@@ -162,12 +169,10 @@ impl Open {
     /// The place of `dims` in [`Open::shapes`], added unless one of the
     /// last few is the same (most ops have the shape of the one before).
     fn shape(&mut self, dims: &[usize]) -> u32 {
-        // Element by element: a slice's `==` calls `memcmp`, which costs
-        // more than these few words.
-        let same =
-            |s: &Vec<usize>| s.len() == dims.len() && s.iter().zip(dims).all(|(a, b)| a == b);
         let recent = self.shapes.len().saturating_sub(4);
-        let found = self.shapes[recent..].iter().rposition(same);
+        let found = self.shapes[recent..]
+            .iter()
+            .rposition(|s| same_dims(s, dims));
         let at = match found {
             Some(i) => recent + i,
             None => {
@@ -388,6 +393,8 @@ impl DeviceBatch {
             known = None;
         }
         let open = &mut batches[at];
+        // Most inputs have the output's shape: its place is looked up once.
+        let out_shape = open.shape(dims);
         let mut operands = [Operand::Scalar(0.0), Operand::Scalar(0.0)];
         for ((i, arg), slot) in inputs.iter().enumerate().zip(&mut operands) {
             *slot = match arg {
@@ -400,7 +407,11 @@ impl DeviceBatch {
                             }
                             None => open.note(&t.var, true, false),
                         };
-                    let shape = open.shape(t.dims());
+                    let shape = if same_dims(dims, t.dims()) {
+                        out_shape
+                    } else {
+                        open.shape(t.dims())
+                    };
                     Operand::Tensor(t.var.read_token(), shape, place as u32)
                 }
                 Arg::Scalar(s) => Operand::Scalar(*s),
@@ -408,7 +419,6 @@ impl DeviceBatch {
         }
         // New: not in the batch, no lookup.
         let (out_var, write) = open.note_output(&out);
-        let dims = open.shape(dims);
         let seq = match self.backend {
             Backend::Cpu => {
                 *seq += 1;
@@ -421,7 +431,7 @@ impl DeviceBatch {
             location,
             op,
             arity: inputs.len().min(2) as u8,
-            dims,
+            dims: out_shape,
             inputs: operands,
             out: write,
             out_var: out_var as u32,
