@@ -95,6 +95,18 @@ impl<J> Link<J> {
             owner: AtomicPtr::new(std::ptr::null_mut()),
         }
     }
+
+    /// The dependency's address (its [`Node::key`]).
+    #[inline]
+    fn dep(&self) -> usize {
+        self.key & !READS
+    }
+
+    /// Whether the node reads what the dependency writes.
+    #[inline]
+    fn reads(&self) -> bool {
+        self.key & READS != 0
+    }
 }
 
 /// The head of a completed node's list of dependents: joining is refused.
@@ -327,9 +339,7 @@ impl<J> Node<J> {
                                 places[h] = links.len() as u32 + 1;
                                 break None;
                             }
-                            p if links[p as usize - 1].key & !READS == key => {
-                                break Some(p as usize - 1)
-                            }
+                            p if links[p as usize - 1].dep() == key => break Some(p as usize - 1),
                             _ => h = (h + 1) % SEEN_SLOTS,
                         }
                     };
@@ -345,7 +355,7 @@ impl<J> Node<J> {
                 #[inline(always)]
                 |d, reads| {
                     let key = d.key();
-                    let found = links.iter().position(|l| l.key & !READS == key);
+                    let found = links.iter().position(|l| l.dep() == key);
                     add_dep(deps, links, found, d, reads);
                 },
             );
@@ -415,7 +425,7 @@ impl<J> Node<J> {
     /// Whether it waited for `other` directly when it was recorded (`other`
     /// held by the caller).
     pub(crate) fn waits_for(&self, other: &Node<J>) -> bool {
-        self.links.iter().any(|l| l.key & !READS == other.key())
+        self.links.iter().any(|l| l.dep() == other.key())
     }
 
     /// Whether it was demanded.
@@ -648,23 +658,25 @@ pub(crate) fn record<J>(
     let me = Arc::as_ptr(&node).cast_mut();
     let mut released = RECORDING;
     let mut skip = None;
+    let mut linked = false;
     for link in node.links.iter() {
         // SAFETY: the key is a dependency's address, and `deps` holds that
         // dependency until this node completes, which waits for the
         // RECORDING unit released below.
-        let d = unsafe { &*((link.key & !READS) as *const Node<J>) };
+        let d = unsafe { &*(link.dep() as *const Node<J>) };
         let mut head = d.dependents.load(Ordering::Acquire);
         loop {
             if head == closed() {
-                if link.key & READS != 0 && skip.is_none() && d.failed.load(Ordering::Acquire) {
+                if link.reads() && skip.is_none() && d.failed.load(Ordering::Acquire) {
                     skip.clone_from(&lock(&d.state).err);
                 }
                 released += 1;
                 break;
             }
-            if !node.linked.load(Ordering::Relaxed) {
+            if !linked {
                 let _count = Arc::into_raw(node.clone());
                 node.linked.store(true, Ordering::Relaxed);
+                linked = true;
             }
             link.owner.store(me, Ordering::Relaxed);
             link.next.store(head, Ordering::Relaxed);
@@ -801,7 +813,7 @@ impl<J> Finished<'_, J> {
                 (
                     link.next.load(Ordering::Relaxed),
                     link.owner.load(Ordering::Relaxed),
-                    link.key & READS != 0,
+                    link.reads(),
                 )
             };
             // SAFETY: held by the strong count its links hold, until the
