@@ -21,6 +21,23 @@ fn access(var: &VarQueue<u32>, read: bool, write: bool) -> Accesses<'_, u32> {
     a
 }
 
+/// Records a writer of `x`, the first access to it: ready at once.
+fn first_writer(x: &VarQueue<u32>) -> NodeRef<u32> {
+    let (w, ready) = record(meta("w"), &mut access(x, false, true), |_| 1, true, None);
+    assert!(ready);
+    w
+}
+
+/// Records a reader of `x` whose job is `job`, counted in `handed` if it is
+/// ready at once.
+fn reader(x: &VarQueue<u32>, job: u32, handed: &AtomicUsize) -> NodeRef<u32> {
+    let (r, ready) = record(meta("r"), &mut access(x, true, false), |_| job, true, None);
+    if ready {
+        handed.fetch_add(1, Ordering::SeqCst);
+    }
+    r
+}
+
 /// Two dependencies complete on two threads at once: the node that waits for
 /// both is handed out exactly once, after both.
 #[test]
@@ -61,8 +78,7 @@ fn the_dependency_count_hands_a_node_out_once() {
 fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
     loom::model(|| {
         let x = Arc::new(VarQueue::<u32>::default());
-        let (w, ready) = record(meta("w"), &mut access(&x, false, true), |_| 1, true, None);
-        assert!(ready);
+        let w = first_writer(&x);
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
         let t = loom::thread::spawn(move || {
@@ -73,10 +89,7 @@ fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
             }
             got
         });
-        let (r, ready) = record(meta("r"), &mut access(&x, true, false), |_| 2, true, None);
-        if ready {
-            handed.fetch_add(1, Ordering::SeqCst);
-        }
+        let r = reader(&x, 2, &handed);
         let released = t.join().unwrap();
         assert_eq!(handed.load(Ordering::SeqCst), 1);
         if let Some(n) = released {
@@ -95,8 +108,7 @@ fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
 fn links_pushed_while_the_list_closes_are_each_released_once() {
     loom::model(|| {
         let x = Arc::new(VarQueue::<u32>::default());
-        let (w, ready) = record(meta("w"), &mut access(&x, false, true), |_| 1, true, None);
-        assert!(ready);
+        let w = first_writer(&x);
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
         let completer = loom::thread::spawn(move || {
@@ -105,19 +117,10 @@ fn links_pushed_while_the_list_closes_are_each_released_once() {
             });
         });
         let (x2, h3) = (x.clone(), handed.clone());
-        let reader = loom::thread::spawn(move || {
-            let (r, ready) = record(meta("r1"), &mut access(&x2, true, false), |_| 2, true, None);
-            if ready {
-                h3.fetch_add(1, Ordering::SeqCst);
-            }
-            r
-        });
-        let (r2, ready) = record(meta("r2"), &mut access(&x, true, false), |_| 3, true, None);
-        if ready {
-            handed.fetch_add(1, Ordering::SeqCst);
-        }
+        let other = loom::thread::spawn(move || reader(&x2, 2, &h3));
+        let r2 = reader(&x, 3, &handed);
         completer.join().unwrap();
-        let r1 = reader.join().unwrap();
+        let r1 = other.join().unwrap();
         assert_eq!(handed.load(Ordering::SeqCst), 2);
         assert!(r1.take_job().is_some() && r2.take_job().is_some());
     });
