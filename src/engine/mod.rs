@@ -7,14 +7,13 @@
 //! - shared read-only: `id`, `config`, `me`;
 //! - reachable from every thread, lock-free: `pool`, `live`, `global_demand`,
 //!   `retiring`, `handles`, `counters`;
-//! - small locks on cold or sharded paths: `undemanded` (one shard per
+//! - small locks on cold or sharded paths: `recorded` (one shard per
 //!   recording thread), `drained` (threads waiting for the graph to drain),
 //!   `waits` (blockers inside tasks), `life` (retiring and reviving).
 
 mod builder;
 mod deadlock;
 mod life;
-mod recycle;
 mod registry;
 mod stats;
 
@@ -38,7 +37,7 @@ use std::time::Duration;
 
 /// What a node does when it runs: `Err` fails it with the message. Boxed once
 /// and called through `&mut`, so that the box outlives the call: a node recorded
-/// later in the same memory (see `recycle.rs`) puts its closure in the same box
+/// later in the same memory (see `registry.rs`) puts its closure in the same box
 /// when it has the same type (the same call site), and allocates nothing.
 pub(crate) type Job = Box<dyn Body>;
 
@@ -308,7 +307,7 @@ pub(crate) struct Shared {
     /// Threads in `wait_all` or stalled by backpressure in Lazy mode, plus one
     /// while retiring. While there are any, every node recorded is demanded at
     /// once: those waits end only when the graph drains. SeqCst with the
-    /// registry push in `record` (see `demand_all`).
+    /// listing of each node in `record` (see `demand_all`).
     global_demand: AtomicUsize,
     /// The last `Engine` handle is gone (see `life.rs`).
     retiring: AtomicBool,
@@ -317,9 +316,10 @@ pub(crate) struct Shared {
     pub(crate) counters: std::sync::Arc<Counters>,
 
     // Small locks on cold or sharded paths.
-    /// Lazy-mode nodes not known to be finished, for `wait_all`, backpressure
-    /// and DOT export (sharded by recording thread).
-    pub(crate) undemanded: Registry,
+    /// The nodes recorded and not finished, and finished ones kept to record
+    /// in again: for `wait_all`, backpressure and DOT export in Lazy mode,
+    /// and for reuse (sharded by recording thread; see `registry.rs`).
+    pub(crate) recorded: Registry,
     /// Threads waiting for `live` to drop (`wait_all`, backpressure, a retiring
     /// drop).
     drained: Drained,
@@ -448,7 +448,7 @@ impl Engine {
             retiring: AtomicBool::new(false),
             handles: AtomicUsize::new(1),
             counters: std::sync::Arc::new(Counters::default()),
-            undemanded: Registry::default(),
+            recorded: Registry::default(),
             drained: Drained {
                 lock: Mutex::new(()),
                 cv: Condvar::new(),
@@ -675,7 +675,11 @@ impl Engine {
     /// ```
     pub fn to_dot(&self) -> String {
         self.shared().close_batches();
-        let nodes = self.shared().undemanded.snapshot();
+        let nodes = if self.mode() == Mode::Lazy {
+            self.shared().recorded.snapshot()
+        } else {
+            Vec::new()
+        };
         graph::to_dot(&nodes, |lane| lane_device(lane).to_string())
     }
 }
@@ -870,13 +874,7 @@ impl Shared {
     where
         F: FnOnce() -> std::result::Result<(), String> + Send + 'static,
     {
-        self.record_job(
-            meta,
-            accesses,
-            move |spent| job(f, spent),
-            recycle::take(),
-            handle,
-        )
+        self.record_job(meta, accesses, move |spent| job(f, spent), handle)
     }
 
     /// Records a node whose job finishes through a [`Completion`]. With
@@ -892,7 +890,7 @@ impl Shared {
         F: FnOnce(Completion) + Send + 'static,
     {
         let node = self
-            .record_job(meta, accesses, move |_| deferred_job(f), None, true)?
+            .record_job(meta, accesses, move |_| deferred_job(f), true)?
             .expect("a handle was asked for");
         if eager && self.config.mode == Mode::Lazy && !node.is_done() {
             self.demand(std::slice::from_ref(&node));
@@ -900,15 +898,14 @@ impl Shared {
         Ok(node)
     }
 
-    /// Records a node whose job `job` makes from the spent job of `spare`
-    /// (a node of the recording thread's bin, reused if it is finished and
-    /// nobody else holds it).
+    /// Records a node whose job `job` makes from the spent job of a spare
+    /// (a finished node of the recording thread's list, reused if nobody
+    /// else holds it).
     pub(crate) fn record_job(
         &self,
         meta: NodeMeta,
         accesses: &mut Accesses<'_>,
         job: impl FnOnce(Option<Job>) -> Job,
-        spare: Option<NodeRef>,
         handle: bool,
     ) -> Result<Option<NodeRef>> {
         let mode = self.config.mode;
@@ -923,19 +920,35 @@ impl Shared {
             .recorded
             .fetch_add(weight as u64, Ordering::SeqCst);
         let lazy = mode == Mode::Lazy;
-        let (node, ready) = graph::record(meta, accesses, job, !lazy, spare);
+        // The spare taken and the node listed under one lock of this thread's
+        // shard (see `registry.rs`); in Lazy mode the node is demanded here
+        // if a barrier is under way.
+        let mut shard = self.recorded.mine();
+        let (node, ready) = graph::record(meta, accesses, job, !lazy, shard.take());
         if ready {
             self.pool.publish(node.clone());
             self.pool.wake(1);
         }
+        // The list takes the node itself when nothing else needs it (`push`
+        // in Async mode): one reference fewer to take and let go per node.
+        let keep = handle || lazy || mode == Mode::Sync;
+        let node = if keep {
+            shard.push(node.clone());
+            Some(node)
+        } else {
+            shard.push(node);
+            None
+        };
         if lazy {
-            self.undemanded.push(&node);
-            // SeqCst after the push (a lock release): a `demand_all` that began
-            // before this load either saw the push or is seen here.
+            let node = node.as_ref().expect("kept in Lazy mode");
+            // SeqCst, with the node listed and the shard still locked: a
+            // `demand_all` that began before this load either finds the node
+            // in the shard or is seen here (see `Registry::demand_all`).
             if self.global_demand.load(Ordering::SeqCst) > 0 {
-                self.demand(std::slice::from_ref(&node));
+                self.demand(std::slice::from_ref(node));
             }
         }
+        drop(shard);
         if self.retiring.load(Ordering::SeqCst) {
             self.keep_workers();
         }
@@ -943,20 +956,11 @@ impl Shared {
             // The node's own failure is reported by the caller through the values
             // it wrote or its task handle; a wait that cannot happen (a record
             // inside a task that depends on that task) is this call's error.
-            let waited = self.wait_for(std::iter::once(node.clone()).collect());
-            recycle::keep(&node);
-            waited?;
+            let node = node.expect("kept in Sync mode");
+            self.wait_for(std::iter::once(node.clone()).collect())?;
             return Ok(handle.then_some(node));
         }
-        // The bin takes the node itself when the caller wants no handle
-        // (`push`): one reference fewer to take and let go per node.
-        if handle {
-            recycle::keep(&node);
-            Ok(Some(node))
-        } else {
-            recycle::keep_owned(node);
-            Ok(None)
-        }
+        Ok(node.filter(|_| handle))
     }
 
     /// Stalls a frontend until `weight` more ops fit under the backpressure
@@ -991,15 +995,16 @@ impl Shared {
         self.pool.wake(1);
     }
 
-    /// Demands every node recorded so far (Lazy mode).
+    /// Demands every node recorded so far (Lazy mode). The caller has raised
+    /// `global_demand`, so that what other threads record meanwhile is
+    /// demanded too (see `Registry::demand_all`).
     fn demand_all(&self) {
         self.counters.flushes.fetch_add(1, Ordering::Relaxed);
         if self.config.mode != Mode::Lazy {
             return;
         }
-        self.undemanded.for_each(|nodes| {
-            graph::demand(nodes, &mut |r| self.hand_out(r));
-        });
+        debug_assert!(self.global_demand.load(Ordering::SeqCst) > 0);
+        self.recorded.demand_all(&mut |r| self.hand_out(r));
     }
 
     /// Completes a node that ran: releases its dependents (the first one is
@@ -1067,9 +1072,6 @@ impl Shared {
         });
         if lazy {
             self.global_demand.fetch_sub(1, Ordering::SeqCst);
-            // Let go of the finished nodes now, so that their memory is free
-            // for the next ones (see `recycle.rs`).
-            self.undemanded.for_each(|_| {});
         }
     }
 
@@ -1114,8 +1116,7 @@ impl Shared {
             self.live.load(Ordering::SeqCst) == 0
         });
         self.global_demand.fetch_sub(1, Ordering::SeqCst);
-        self.undemanded.for_each(|_| {});
-        recycle::trim();
+        self.recorded.prune(registry::KEEP);
         Ok(())
     }
 

@@ -424,6 +424,7 @@ impl<J> Node<J> {
 
     /// Whether it waited for `other` directly when it was recorded (`other`
     /// held by the caller).
+    #[cfg(test)]
     pub(crate) fn waits_for(&self, other: &Node<J>) -> bool {
         self.links.iter().any(|l| l.dep() == other.key())
     }
@@ -570,7 +571,7 @@ pub(crate) struct Access<'a, J> {
 /// for [`demand`].
 ///
 /// `spare`: a finished node nothing else refers to any more, whose memory the
-/// new node reuses (see `engine/recycle.rs`); it is checked here, and a node
+/// new node reuses (see `engine/registry.rs`); it is checked here, and a node
 /// still shared or unfinished is left alone and a new one allocated. `job`
 /// makes the node's job from the spare's spent job, if it is reused and one
 /// was given back (its allocation may hold the new job).
@@ -722,11 +723,13 @@ fn let_go_of_links<J>(node: &NodeRef<J>) {
 
 /// Marks `roots` and every unfinished node they wait for as demanded and hands
 /// out (through `ready`) those that are ready. Stops at nodes demanded before:
-/// a demanded node's dependencies are demanded too (by whoever demanded it),
-/// so each node is walked once over its life.
+/// a demanded node's dependencies are demanded too, by whoever demanded it
+/// (or, for [`demand_listed`], by the barrier under way, which does not stop
+/// before it has demanded every node), so each node is walked once over its
+/// life.
 ///
 /// The roots are walked one after the other in the order given, each with
-/// what it waits for: given oldest first (the registry's order), the first
+/// what it waits for: given oldest first (record order), the first
 /// nodes handed out can run while the walk goes on, instead of after it.
 pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(NodeRef<J>)) -> usize {
     let mut marked = 0;
@@ -735,6 +738,36 @@ pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(NodeRef<J>)
         if !root.is_done() && !root.demanded.load(Ordering::Relaxed) {
             stack.push(root.clone());
             marked += demand_from(&mut stack, ready);
+        }
+    }
+    marked
+}
+
+/// Marks each of `nodes` as demanded by itself, without walking what it
+/// waits for, and hands out (through `ready`) those that are ready. Returns
+/// how many it marked.
+///
+/// For a barrier that demands every node recorded: the caller must know that
+/// each unfinished dependency of these nodes is demanded too, in this call, in
+/// another call of the same barrier, or by its recorder (see the engine's
+/// `Registry::demand_all`). A node is two atomic operations here; the walk of
+/// [`demand`] also locks each node that waits for something to read its list.
+pub(crate) fn demand_listed<'a, J: 'a>(
+    nodes: impl Iterator<Item = &'a NodeRef<J>>,
+    ready: &mut impl FnMut(NodeRef<J>),
+) -> usize {
+    let mut marked = 0;
+    for n in nodes {
+        if n.is_done()
+            || n.demanded.load(Ordering::Relaxed)
+            || n.demanded.swap(true, Ordering::AcqRel)
+        {
+            continue;
+        }
+        marked += 1;
+        if n.pending.fetch_sub(UNDEMANDED, Ordering::AcqRel) == UNDEMANDED {
+            let_go_of_links(n);
+            ready(n.clone());
         }
     }
     marked

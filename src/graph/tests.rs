@@ -354,3 +354,23 @@ fn a_dependency_met_twice_is_one_edge_that_reads() {
         }
     }
 }
+
+#[test]
+fn a_listed_demand_marks_only_the_nodes_listed_and_their_order_does_not_matter() {
+    let (x, y) = (Q::default(), Q::default());
+    let w = rec("w", &[], &[&x], 1);
+    let r = rec("r", &[&x], &[&y], 2);
+    let other = rec("other", &[], &[&y], 3);
+    // Two lists of one barrier, the dependent's first: `r` is marked but
+    // waits; nothing is walked, so `w` stays undemanded until its own list.
+    let mut out = Vec::new();
+    assert_eq!(demand_listed([&r].into_iter(), &mut |n| out.push(n)), 1);
+    assert!(out.is_empty() && !w.is_demanded() && !other.is_demanded());
+    assert_eq!(demand_listed([&w, &r].into_iter(), &mut |n| out.push(n)), 1);
+    assert_eq!(jobs(out), vec![1]);
+    assert_eq!(jobs(finish(&w, Outcome::Done)), vec![2]);
+    // `other` (a write after `r`'s write) waits for `r`, and was never listed.
+    assert!(finish(&r, Outcome::Done).is_empty());
+    assert!(!other.is_demanded());
+    assert_eq!(demanded(&[other]), vec![3]);
+}

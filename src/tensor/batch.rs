@@ -725,7 +725,7 @@ mod tests {
         // Lazy: the node is recorded here and not run, so the dropped
         // values' storages (and the keys) stay with its ops.
         e.shared().close_batches();
-        let nodes = e.shared().undemanded.snapshot();
+        let nodes = e.shared().recorded.snapshot();
         let node = nodes
             .iter()
             .find(|n| n.writes(keys[9]))
