@@ -1004,7 +1004,23 @@ impl Shared {
             return;
         }
         debug_assert!(self.global_demand.load(Ordering::SeqCst) > 0);
-        self.recorded.demand_all(&mut |r| self.hand_out(r));
+        // Onto the injector (the caller is not running a node of its own
+        // deque: a frontend, or a retiring drop), with a wake-up for the
+        // first node and then one per `WAKE_EVERY`: the workers take the
+        // injector's nodes in batches, and a wake-up (a fence) per node was
+        // a tenth of the hand-out.
+        const WAKE_EVERY: usize = 16;
+        let mut unwoken = 0;
+        self.recorded.demand_all(&mut |r| {
+            self.pool.publish_global(r);
+            if unwoken == 0 {
+                self.pool.wake(1);
+            }
+            unwoken = (unwoken + 1) % WAKE_EVERY;
+        });
+        if unwoken > 1 {
+            self.pool.wake(1);
+        }
     }
 
     /// Completes a node that ran: releases its dependents (the first one is
