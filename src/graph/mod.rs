@@ -898,7 +898,7 @@ pub(crate) fn complete<J>(
     // AcqRel: a recorder that finds the list closed sees `failed` (and the
     // error under the lock); this thread sees every link pushed before.
     let mut stack = node.dependents.swap(closed(), Ordering::AcqRel);
-    drop(deps);
+    keep_room(node, deps);
     // The stack holds the last to join first: turned around, so that the
     // dependents are released in record order (the first one released runs
     // next on this thread; the one recorded first should).
@@ -916,6 +916,25 @@ pub(crate) fn complete<J>(
         node,
         dependents,
         err,
+    }
+}
+
+/// Lets go of a completed node's dependencies (outside its lock: the last
+/// reference to one may go here), and gives an emptied list that had spilled
+/// back to the node, so that the next node recorded in its memory (see
+/// `engine/registry.rs`) has room for as many without an allocation. Without
+/// it, a node of many dependencies cost a `malloc` on the frontend and a `free`
+/// on a worker (where glibc's allocator takes its slow path).
+fn keep_room<J>(node: &Node<J>, mut deps: SmallVec<[NodeRef<J>; 2]>) {
+    if !deps.spilled() {
+        return;
+    }
+    deps.clear();
+    let mut s = lock(&node.state);
+    // Nothing refills the list of a completed node (a record reuses it only
+    // once the worker completing it has let go of it).
+    if s.deps.capacity() < deps.capacity() {
+        s.deps = deps;
     }
 }
 
