@@ -1132,7 +1132,9 @@ impl Shared {
             self.live.load(Ordering::SeqCst) == 0
         });
         self.global_demand.fetch_sub(1, Ordering::SeqCst);
-        self.recorded.prune(registry::KEEP);
+        // Spares for one backpressure bound of nodes (see `registry.rs`).
+        self.recorded
+            .prune(self.config.high.min(DEFAULT_HIGH_WATERMARK));
         Ok(())
     }
 

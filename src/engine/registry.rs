@@ -32,9 +32,13 @@
 //! every shard, one by one, without walking their dependencies: see
 //! [`Registry::demand_all`].
 //!
-//! **Bounds.** A shard drops its finished nodes, keeping at most [`KEEP`]
-//! spares, when it has doubled since the last time (amortized O(1)), and
-//! whenever a barrier walks it; unfinished nodes are bounded by backpressure.
+//! **Bounds.** A shard drops the finished nodes that something else holds
+//! when it has doubled since the last time (amortized O(1)), keeping the
+//! others as spares; `wait_all` drops all but [`Registry::prune`]'s `keep`
+//! (the engine keeps a backpressure bound's worth: the outputs of one bound of
+//! nodes, recorded after a barrier, are made without an allocation, as the
+//! Vars' storages are in `var.rs`). Unfinished nodes are bounded by
+//! backpressure.
 
 use super::NodeRef;
 use crate::sync::{lock, Mutex, MutexGuard};
@@ -44,8 +48,8 @@ use std::collections::VecDeque;
 const SHARDS: usize = 8;
 /// Length of a shard at which it is first pruned.
 const PRUNE_MIN: usize = 64;
-/// Finished nodes a pruned shard keeps for reuse, past a full barrier.
-pub(super) const KEEP: usize = 256;
+/// Room a shard's lists keep when they shrink.
+const KEEP: usize = 256;
 /// Nodes a record looks at for a spare.
 const SCAN: usize = 2;
 
@@ -160,8 +164,7 @@ impl Registry {
 
     /// Demands every node listed (Lazy mode), shard by shard under that
     /// shard's lock (records on other threads go on), handing out the ones
-    /// that become ready through `ready`; then drops the finished nodes but
-    /// [`KEEP`] spares per shard.
+    /// that become ready through `ready`.
     ///
     /// No walk of dependencies: each node is demanded by itself. That misses
     /// nothing because every unfinished node recorded before the barrier
@@ -173,9 +176,8 @@ impl Registry {
     /// the node).
     pub(super) fn demand_all(&self, ready: &mut impl FnMut(NodeRef)) {
         for shard in &self.shards {
-            let mut s = lock(shard);
+            let s = lock(shard);
             crate::graph::demand_listed(s.nodes.iter(), ready);
-            s.prune(KEEP);
         }
     }
 
@@ -240,5 +242,23 @@ mod tests {
         assert_ne!(c.key(), held.key());
         e.wait_all().unwrap();
         assert!(b.is_done() && c.is_done());
+    }
+
+    #[test]
+    fn a_barrier_keeps_a_backpressure_bound_of_spares() {
+        let e = Engine::builder()
+            .mode(Mode::Lazy)
+            .workers(1)
+            .backpressure(2_000, 0)
+            .build()
+            .unwrap();
+        let first: std::collections::HashSet<usize> =
+            (0..1_500).map(|_| record(&e).key()).collect();
+        e.wait_all().unwrap();
+        // Every node of the second round is made in the memory of one of the
+        // first: none is allocated.
+        let again: Vec<NodeRef> = (0..1_500).map(|_| record(&e)).collect();
+        assert!(again.iter().all(|n| first.contains(&n.key())));
+        e.wait_all().unwrap();
     }
 }
