@@ -1132,9 +1132,7 @@ impl Shared {
             self.live.load(Ordering::SeqCst) == 0
         });
         self.global_demand.fetch_sub(1, Ordering::SeqCst);
-        // Spares for one backpressure bound of nodes (see `registry.rs`).
-        self.recorded
-            .prune(self.config.high.min(DEFAULT_HIGH_WATERMARK));
+        self.recorded.prune(registry::KEEP);
         Ok(())
     }
 
