@@ -929,25 +929,21 @@ impl Shared {
             self.pool.publish(node.clone());
             self.pool.wake(1);
         }
-        // The list takes the node itself when nothing else needs it (`push`
-        // in Async mode): one reference fewer to take and let go per node.
-        let keep = handle || lazy || mode == Mode::Sync;
-        let node = if keep {
+        // SeqCst, with the shard locked (the node's place in it does not
+        // matter): a `demand_all` that began before this load either finds
+        // the node in the shard or is seen here (see `Registry::demand_all`).
+        if lazy && self.global_demand.load(Ordering::SeqCst) > 0 {
+            self.demand(std::slice::from_ref(&node));
+        }
+        // The list takes the node itself when nothing else needs it (`push`):
+        // one reference fewer to take and let go per node.
+        let node = if handle || mode == Mode::Sync {
             shard.push(node.clone());
             Some(node)
         } else {
             shard.push(node);
             None
         };
-        if lazy {
-            let node = node.as_ref().expect("kept in Lazy mode");
-            // SeqCst, with the node listed and the shard still locked: a
-            // `demand_all` that began before this load either finds the node
-            // in the shard or is seen here (see `Registry::demand_all`).
-            if self.global_demand.load(Ordering::SeqCst) > 0 {
-                self.demand(std::slice::from_ref(node));
-            }
-        }
         drop(shard);
         if self.retiring.load(Ordering::SeqCst) {
             self.keep_workers();

@@ -176,9 +176,9 @@ impl Registry {
     /// began is listed (nodes leave a list only once finished), and the
     /// caller raised `global_demand` first, so that a node recorded since is
     /// demanded, with its dependencies, by its recorder (which reads
-    /// `global_demand` while it holds its shard's lock, after listing the
-    /// node: if it read zero, this walk locks the shard after it and finds
-    /// the node).
+    /// `global_demand` and lists the node in one hold of its shard's lock:
+    /// if it read zero, this walk locks the shard after it and finds the
+    /// node).
     pub(super) fn demand_all(&self, ready: &mut impl FnMut(NodeRef)) {
         for shard in &self.shards {
             let s = lock(shard);
@@ -208,20 +208,28 @@ impl Registry {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use crate::device::Device;
-    use crate::engine::{device_lane, Accesses, NodeRef};
+    use crate::engine::{device_lane, Access, Accesses, NodeRef};
     use crate::error::Location;
     use crate::graph::NodeMeta;
-    use crate::{Engine, Mode};
+    use crate::{Engine, Mode, Var};
 
-    fn record(e: &Engine) -> NodeRef {
+    /// Records a node that writes `x` (so that the nodes run in record
+    /// order, each completed and let go of by the worker before the next).
+    fn record(e: &Engine, x: &Var<()>) -> NodeRef {
         let meta = NodeMeta {
             name: "t",
             location: Location::caller(),
             lane: device_lane(Device::Cpu),
             weight: 1,
         };
+        let mut accesses = Accesses::new();
+        accesses.push(Access {
+            var: x.queue(),
+            read: false,
+            write: true,
+        });
         e.shared()
-            .record(meta, &mut Accesses::new(), || Ok(()), true)
+            .record(meta, &mut accesses, || Ok(()), true)
             .unwrap()
             .expect("a handle was asked for")
     }
@@ -233,19 +241,23 @@ mod tests {
             .workers(1)
             .build()
             .unwrap();
-        let a = record(&e);
-        let held = record(&e);
+        let x = e.var(());
+        let a = record(&e, &x);
+        let held = record(&e, &x);
         let a_at = a.key();
         drop(a);
+        // The last writer of `x`: `a` and `held` finished before it did,
+        // and the barrier returns once it has.
+        let last = record(&e, &x);
         e.wait_all().unwrap();
         assert!(held.is_done());
         // `a` finished and only the list holds it: the next node is made in
-        // its memory. `held` is not (a handle holds it).
-        let b = record(&e);
+        // its memory. `held` is not: a handle holds it.
+        let b = record(&e, &x);
         assert_eq!(b.key(), a_at);
-        let c = record(&e);
-        assert_ne!(c.key(), held.key());
+        // The barrier let go of `held`: only the handle refers to it now.
+        assert_eq!(crate::sync::Arc::strong_count(&held), 1);
         e.wait_all().unwrap();
-        assert!(b.is_done() && c.is_done());
+        assert!(last.is_done() && b.is_done());
     }
 }
