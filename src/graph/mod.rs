@@ -13,7 +13,7 @@
 //!   nodes, with no allocation, lock or reference count per edge (the crate's
 //!   only `unsafe` code; see `README.md`).
 //! - **The count** ([`Node::pending`]): unfinished dependencies, plus one while
-//!   the node is being recorded, plus one until it is demanded (Lazy mode).
+//!   the node is being recorded, plus a bit until it is demanded (Lazy mode).
 //!   Whoever brings it to zero hands the node out, exactly once.
 //! - **Completing** ([`complete`]) touches only the finished node and its
 //!   dependents' counts; the Var queues keep the finished writer (its outcome is
@@ -183,19 +183,29 @@ fn walk<J>(
 
 /// One unit of [`Node::pending`] held while the node is being recorded.
 const RECORDING: u32 = 1;
-/// One unit of [`Node::pending`] held until the node is demanded.
-const UNDEMANDED: u32 = 1;
+/// The bit of [`Node::pending`] set until the node is demanded: the first
+/// demand clears it with one `fetch_and`, which both marks the node and
+/// tells whether that made it ready (a flag of its own and a decrement were
+/// two locked instructions per node, about 8 ns each on some machines).
+const UNDEMANDED: u32 = 1 << 31;
+
+/// Clears [`UNDEMANDED`]: `None` if the node was demanded before, else
+/// whether it is ready now (the caller hands it out).
+#[inline]
+fn take_demand<J>(n: &Node<J>) -> Option<bool> {
+    let old = n.pending.fetch_and(!UNDEMANDED, Ordering::AcqRel);
+    (old & UNDEMANDED != 0).then_some(old == UNDEMANDED)
+}
 
 /// One operation in the graph.
 pub(crate) struct Node<J> {
     pub(crate) meta: NodeMeta,
     /// Unfinished dependencies, plus [`RECORDING`] until [`record`] is done
-    /// wiring the node, plus [`UNDEMANDED`] until [`demand`] reaches it. AcqRel:
-    /// the thread that brings it to zero hands the node out and must see what
-    /// every earlier decrement published (the `skip` set before it).
+    /// wiring the node, plus the bit [`UNDEMANDED`] until [`demand`] reaches
+    /// it. AcqRel: the thread that brings it to zero hands the node out and
+    /// must see what every earlier change published (the `skip` set before
+    /// it).
     pending: AtomicU32,
-    /// Set once by the first [`demand`] to reach the node (swap, AcqRel).
-    demanded: AtomicBool,
     /// Set (Release) by [`Finished::wake`], once the caller of [`complete`] has
     /// also counted the node out: whoever sees it set sees the node entirely
     /// finished (its outcome, its dependents released, the engine's count).
@@ -256,7 +266,6 @@ impl<J> Node<J> {
         Node {
             meta,
             pending: AtomicU32::new(0),
-            demanded: AtomicBool::new(false),
             done: AtomicBool::new(true),
             has_waiters: AtomicBool::new(false),
             failed: AtomicBool::new(false),
@@ -279,7 +288,7 @@ impl<J> Node<J> {
     /// recorded for `accesses`, whose queues are locked in `guards`: it waits
     /// for the unfinished nodes it conflicts with, and its count is theirs
     /// plus `hold` (the units of [`RECORDING`] and [`UNDEMANDED`] it starts
-    /// with: it starts demanded when `hold` has no [`UNDEMANDED`] unit).
+    /// with: it starts demanded when `hold` has no [`UNDEMANDED`] bit).
     fn fill(
         &mut self,
         meta: NodeMeta,
@@ -290,7 +299,6 @@ impl<J> Node<J> {
         most_deps: usize,
     ) {
         self.meta = meta;
-        self.demanded.store(hold == RECORDING, Ordering::Relaxed);
         self.done.store(false, Ordering::Relaxed);
         self.has_waiters.store(false, Ordering::Relaxed);
         self.failed.store(false, Ordering::Relaxed);
@@ -429,9 +437,15 @@ impl<J> Node<J> {
         self.links.iter().any(|l| l.dep() == other.key())
     }
 
-    /// Whether it was demanded.
+    /// Whether it was demanded (or is a finished node's memory).
     pub(crate) fn is_demanded(&self) -> bool {
-        self.demanded.load(Ordering::Acquire)
+        self.pending.load(Ordering::Acquire) & UNDEMANDED == 0
+    }
+
+    /// [`Node::is_demanded`], Relaxed: for walks that only skip work by it.
+    #[inline]
+    fn seen_demanded(&self) -> bool {
+        self.pending.load(Ordering::Relaxed) & UNDEMANDED == 0
     }
 }
 
@@ -584,12 +598,12 @@ pub(crate) fn record<J>(
     demanded: bool,
     spare: Option<NodeRef<J>>,
 ) -> (NodeRef<J>, bool) {
-    // The one check that the spare is ours: `get_mut` proves nobody else can
+    // The one check that the spare is ours: `unique` proves nobody else can
     // reach it, and the reference it gives is held until the node is filled.
     let mut spare = spare;
     let mut slot = spare
         .as_mut()
-        .and_then(Arc::get_mut)
+        .and_then(unique)
         .filter(|n| n.done.load(Ordering::Relaxed));
     // Made before any lock is taken: it may allocate.
     let job = job(slot
@@ -706,6 +720,32 @@ pub(crate) fn record<J>(
     (node, ready)
 }
 
+/// The node behind `n` if `n` is its only reference: [`Arc::get_mut`]
+/// without the locked compare-and-swap by which it shuts out `Weak`
+/// upgrades (no `Weak` of a node is ever made), about 8 ns a record on some
+/// machines.
+#[cfg(not(loom))]
+#[inline]
+fn unique<J>(n: &mut NodeRef<J>) -> Option<&mut Node<J>> {
+    if Arc::strong_count(n) != 1 {
+        return None;
+    }
+    // Pairs with the Release decrement of every reference dropped before:
+    // what their holders did to the node happens before what we do now.
+    std::sync::atomic::fence(Ordering::Acquire);
+    // SAFETY: the only reference, held mutably, and no `Weak` exists that
+    // could make another: nothing else reaches the node while the returned
+    // borrow lives. The pointer comes from the Arc's own (writable) one, as
+    // in `Arc::get_mut`.
+    Some(unsafe { &mut *Arc::as_ptr(n).cast_mut() })
+}
+
+/// [`Arc::get_mut`] under loom (whose Arc models it).
+#[cfg(loom)]
+fn unique<J>(n: &mut NodeRef<J>) -> Option<&mut Node<J>> {
+    Arc::get_mut(n)
+}
+
 /// Gives up the strong count a node held for its links, if it took one; by
 /// whoever brought its count to zero through something else than a link
 /// (which hands the count out instead), while holding a reference of its
@@ -735,7 +775,7 @@ pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(NodeRef<J>)
     let mut marked = 0;
     let mut stack: SmallVec<[NodeRef<J>; 16]> = SmallVec::new();
     for root in roots {
-        if !root.is_done() && !root.demanded.load(Ordering::Relaxed) {
+        if !root.is_done() && !root.seen_demanded() {
             stack.push(root.clone());
             marked += demand_from(&mut stack, ready);
         }
@@ -750,7 +790,7 @@ pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(NodeRef<J>)
 /// For a barrier that demands every node recorded: the caller must know that
 /// each unfinished dependency of these nodes is demanded too, in this call, in
 /// another call of the same barrier, or by its recorder (see the engine's
-/// `Registry::demand_all`). A node is two atomic operations here; the walk of
+/// `Registry::demand_all`). A node is one atomic operation here; the walk of
 /// [`demand`] also locks each node that waits for something to read its list.
 pub(crate) fn demand_listed<'a, J: 'a>(
     nodes: impl Iterator<Item = &'a NodeRef<J>>,
@@ -758,14 +798,14 @@ pub(crate) fn demand_listed<'a, J: 'a>(
 ) -> usize {
     let mut marked = 0;
     for n in nodes {
-        if n.is_done()
-            || n.demanded.load(Ordering::Relaxed)
-            || n.demanded.swap(true, Ordering::AcqRel)
-        {
+        if n.is_done() || n.seen_demanded() {
             continue;
         }
+        let Some(now_ready) = take_demand(n) else {
+            continue;
+        };
         marked += 1;
-        if n.pending.fetch_sub(UNDEMANDED, Ordering::AcqRel) == UNDEMANDED {
+        if now_ready {
             let_go_of_links(n);
             ready(n.clone());
         }
@@ -780,27 +820,33 @@ fn demand_from<J>(
 ) -> usize {
     let mut marked = 0;
     while let Some(n) = stack.pop() {
-        if n.is_done() || n.demanded.swap(true, Ordering::AcqRel) {
+        if n.is_done() {
             continue;
         }
+        let Some(now_ready) = take_demand(&n) else {
+            continue;
+        };
         marked += 1;
+        if now_ready {
+            // Every dependency has finished: nothing to walk.
+            let_go_of_links(&n);
+            ready(n);
+            continue;
+        }
         // Only what this walk has still to mark: a dependency demanded before
         // (by this walk or another) needs no reference taken, and most of a
         // node's dependencies are shared with its neighbours'.
         // Plain pushes: `extend` of a filter cost as much as the rest of the
         // step for the one or two dependencies most nodes have.
         // No lock for a node that waits for nothing (its links mirror its
-        // dependencies, and are fixed).
+        // dependencies, and are fixed). The node may complete meanwhile
+        // (its dependencies then have): its list is empty then.
         if !n.links.is_empty() {
             for d in lock(&n.state).deps.iter() {
-                if !d.is_done() && !d.demanded.load(Ordering::Relaxed) {
+                if !d.is_done() && !d.seen_demanded() {
                     stack.push(d.clone());
                 }
             }
-        }
-        if n.pending.fetch_sub(UNDEMANDED, Ordering::AcqRel) == UNDEMANDED {
-            let_go_of_links(&n);
-            ready(n);
         }
     }
     marked
