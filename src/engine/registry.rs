@@ -66,6 +66,8 @@ pub(super) struct Shard {
     /// refer to them: only this list reaches them), moved here by a prune.
     spares: Vec<NodeRef>,
     prune_at: usize,
+    /// Ops recorded into this shard (see [`Registry::recorded`]).
+    recorded: u64,
 }
 
 /// Whether only the list refers to `n` and it finished: its memory may be
@@ -94,6 +96,12 @@ impl Shard {
             self.nodes.pop_front();
         }
         None
+    }
+
+    /// Counts `ops` recorded.
+    #[inline]
+    pub(super) fn count(&mut self, ops: usize) {
+        self.recorded += ops as u64;
     }
 
     /// Lists a node just recorded.
@@ -145,6 +153,7 @@ impl Default for Registry {
                     nodes: VecDeque::new(),
                     spares: Vec::new(),
                     prune_at: PRUNE_MIN,
+                    recorded: 0,
                 }))
             }),
         }
@@ -192,6 +201,11 @@ impl Registry {
         for shard in &self.shards {
             lock(shard).prune(keep);
         }
+    }
+
+    /// Ops recorded so far, over every shard (each read under its lock).
+    pub(crate) fn recorded(&self) -> u64 {
+        self.shards.iter().map(|s| lock(s).recorded).sum()
     }
 
     /// The unfinished nodes, in record order per shard.

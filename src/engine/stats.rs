@@ -48,7 +48,6 @@ pub struct Stats {
 /// at all: they are the nodes recorded less the live ones.
 #[derive(Default)]
 pub(crate) struct Counters {
-    pub(crate) recorded: CachePadded<AtomicU64>,
     pub(crate) failed: AtomicU64,
     pub(crate) skipped: AtomicU64,
     pub(crate) flushes: AtomicU64,
@@ -72,12 +71,18 @@ impl Counters {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// `live` reads the engine's count of live nodes. It is read after
-    /// `recorded` (SeqCst), and a record counts itself live before it counts
-    /// itself recorded, so `completed` never exceeds the nodes that finished.
-    pub(crate) fn snapshot(&self, live: impl FnOnce() -> usize, peak: usize) -> Stats {
+    /// `recorded` counts the nodes recorded (under the locks of the
+    /// registry's shards, see `Registry::recorded`) and `live` reads the
+    /// engine's count of live nodes, after it: a record counts itself live
+    /// (SeqCst) before it counts itself recorded under its shard's lock, so
+    /// `completed` never exceeds the nodes that finished.
+    pub(crate) fn snapshot(
+        &self,
+        recorded: u64,
+        live: impl FnOnce() -> usize,
+        peak: usize,
+    ) -> Stats {
         let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let recorded = self.recorded.load(Ordering::SeqCst);
         let live_nodes = live();
         Stats {
             recorded,
