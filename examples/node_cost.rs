@@ -13,7 +13,8 @@
 //! declared access, about 11.5 per task). Prints ns per unit and the units
 //! run. Instructions per unit, leaving the setup out (the engine, the inputs):
 //! callgrind's count for 6 runs less its count for 1 run, divided by the units
-//! of 5 runs.
+//! of 5 runs. `benches/locked_per_unit.py` counts the locked instructions
+//! per unit the same way.
 
 mod demos;
 
