@@ -150,8 +150,9 @@ fn bench(c: &mut Criterion) {
     // the waited node's own dependencies.
     let busy = engine(Mode::Lazy);
     for _ in 0..20_000 {
+        let v = busy.var(());
         let mut t = busy.task("unrelated");
-        let w = t.write(&busy.var(()));
+        let w = t.write(&v);
         t.push(move || drop(w)).unwrap();
     }
     g.throughput(Throughput::Elements(100));

@@ -1,13 +1,12 @@
 //! Generic tasks: any CPU closure with declared reads and writes, recorded as a node.
 
 use crate::device::Device;
-use crate::engine::{device_lane, Access, Accesses, Completion, Engine, Mode, NodeRef, Tracked};
+use crate::engine::{device_lane, Access, Accesses, Completion, Engine, Mode, NodeRef};
 use crate::error::{Location, Result};
 use crate::graph::NodeMeta;
 use crate::var::{Read, Var, Write};
 use smallvec::SmallVec;
 use std::fmt::Display;
-use std::sync::Arc;
 
 /// Records one task: declare what it reads and writes, then hand it the closure.
 ///
@@ -27,20 +26,33 @@ use std::sync::Arc;
 /// handle.wait().unwrap();
 /// assert_eq!(total.get().unwrap(), 6.0);
 /// ```
+///
+/// The builder borrows the Vars it names until the task is recorded, so the
+/// last handle of one cannot go away before the record (which would forget
+/// the Var's pending writer); the mistake does not compile:
+///
+/// ```compile_fail,E0505
+/// use lazyflow::Engine;
+/// let engine = Engine::builder().workers(1).build().unwrap();
+/// let v = engine.var(1u32);
+/// let mut t = engine.task("copy");
+/// let r = t.read(&v);
+/// drop(v);
+/// t.push(move || drop(r)).unwrap();
+/// ```
 #[must_use = "a task is recorded only by run, try_run or push"]
 pub struct TaskBuilder<'e> {
     engine: &'e Engine,
     meta: NodeMeta,
-    /// The Vars named, each with whether it is read and written; the handles
-    /// stay alive until the task is recorded.
-    vars: SmallVec<[Declared; 4]>,
+    /// The Vars named, each with whether it is read and written, as the
+    /// graph records them: borrowed from the caller's handles, which outlive
+    /// the builder (a counted handle per access, taken and let go of, was
+    /// two locked instructions per access).
+    vars: Accesses<'e>,
     mismatch: bool,
     /// Demanded at record time also in Lazy mode (deferred tasks only).
     eager: bool,
 }
-
-/// A Var a task names: its handle, whether it is read, whether it is written.
-type Declared = (Arc<dyn Tracked>, bool, bool);
 
 /// A recorded task that can be waited on.
 #[derive(Clone)]
@@ -103,14 +115,16 @@ impl Engine {
 
 impl<'e> TaskBuilder<'e> {
     /// Declares a read of `var` and returns the token to read it in the task.
-    pub fn read<T: Send + Sync + 'static>(&mut self, var: &Var<T>) -> Read<T> {
+    /// The Var is borrowed until the task is recorded.
+    pub fn read<T: Send + Sync + 'static>(&mut self, var: &'e Var<T>) -> Read<T> {
         self.declare(var, true, false);
         var.read_token()
     }
 
     /// Declares a write of `var` and returns the token to write it in the task. A
-    /// Var may be both read and written by one task (an in-place update).
-    pub fn write<T: Send + Sync + 'static>(&mut self, var: &Var<T>) -> Write<T> {
+    /// Var may be both read and written by one task (an in-place update). The
+    /// Var is borrowed until the task is recorded.
+    pub fn write<T: Send + Sync + 'static>(&mut self, var: &'e Var<T>) -> Write<T> {
         self.declare(var, false, true);
         var.write_token()
     }
@@ -128,7 +142,7 @@ impl<'e> TaskBuilder<'e> {
         self
     }
 
-    fn declare<T: Send + Sync + 'static>(&mut self, var: &Var<T>, read: bool, write: bool) {
+    fn declare<T: Send + Sync + 'static>(&mut self, var: &'e Var<T>, read: bool, write: bool) {
         if var.queue().is_held() {
             // An open record-time batch writes or reads it: recorded first.
             self.engine.shared().close_batches();
@@ -144,7 +158,7 @@ impl<'e> TaskBuilder<'e> {
     /// accesses n²/2 comparisons.
     pub(crate) fn declare_unchecked<T: Send + Sync + 'static>(
         &mut self,
-        var: &Var<T>,
+        var: &'e Var<T>,
         read: bool,
         write: bool,
     ) {
@@ -152,7 +166,11 @@ impl<'e> TaskBuilder<'e> {
         if self.vars.len() == self.vars.inline_size() {
             spill(&mut self.vars);
         }
-        self.vars.push((var.tracked(), read, write));
+        self.vars.push(Access {
+            var: var.queue(),
+            read,
+            write,
+        });
     }
 
     /// Notes a Var of another engine (the record then fails).
@@ -213,13 +231,16 @@ impl<'e> TaskBuilder<'e> {
     ///     .unwrap();
     /// assert!(handle.wait().unwrap_err().to_string().contains("the peer went away"));
     /// ```
-    pub fn run_deferred(self, f: impl FnOnce(Completion) + Send + 'static) -> Result<TaskHandle> {
-        let mut accesses = self.accesses()?;
+    pub fn run_deferred(
+        mut self,
+        f: impl FnOnce(Completion) + Send + 'static,
+    ) -> Result<TaskHandle> {
+        self.check()?;
         let engine = self.engine.uncounted();
-        let node = self
-            .engine
-            .shared()
-            .record_deferred(self.meta, &mut accesses, f, self.eager)?;
+        let node =
+            self.engine
+                .shared()
+                .record_deferred(self.meta, &mut self.vars, f, self.eager)?;
         if engine.mode() == Mode::Sync {
             if let Some(err) = node.error() {
                 return Err((*err).clone());
@@ -276,41 +297,32 @@ impl<'e> TaskBuilder<'e> {
 
     /// Records the task; with `handle`, returns its node (to wait on).
     #[inline]
-    fn record<F>(self, f: F, handle: bool) -> Result<Option<NodeRef>>
+    fn record<F>(mut self, f: F, handle: bool) -> Result<Option<NodeRef>>
     where
         F: FnOnce() -> std::result::Result<(), String> + Send + 'static,
     {
-        let mut accesses = self.accesses()?;
+        self.check()?;
         self.engine
             .shared()
-            .record(self.meta, &mut accesses, f, handle)
+            .record(self.meta, &mut self.vars, f, handle)
     }
 
-    /// The declared Vars as the graph records them, or the error for a Var
-    /// of another engine.
+    /// The error for a Var of another engine, if one was declared.
     #[inline]
-    fn accesses(&self) -> Result<Accesses<'_>> {
+    fn check(&self) -> Result<()> {
         if self.mismatch {
             return Err(crate::error::Error::EngineMismatch {
                 op: self.meta.name,
                 location: self.meta.location,
             });
         }
-        let mut accesses = SmallVec::with_capacity(self.vars.len());
-        for (v, read, write) in &self.vars {
-            accesses.push(Access {
-                var: v.queue(),
-                read: *read,
-                write: *write,
-            });
-        }
-        Ok(accesses)
+        Ok(())
     }
 }
 
 /// Past the inline few, room for 16 declared Vars at once rather than a
 /// reallocation per doubling.
 #[cold]
-fn spill(vars: &mut SmallVec<[Declared; 4]>) {
+fn spill(vars: &mut Accesses<'_>) {
     vars.reserve(16 - vars.len());
 }

@@ -484,15 +484,6 @@ impl<T> Var<T> {
         &self.inner.engine
     }
 
-    /// The handle, type-erased: held by a task builder until the task is
-    /// recorded (the builder names the Var's queue).
-    pub(crate) fn tracked(&self) -> Arc<dyn Tracked>
-    where
-        T: Send + Sync + 'static,
-    {
-        self.inner.clone()
-    }
-
     pub(crate) fn read_token(&self) -> Read<T> {
         Read {
             storage: self.inner.clone(),

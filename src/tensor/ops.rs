@@ -75,7 +75,7 @@ enum Update {
 }
 
 impl Update {
-    fn declare(self, t: &mut crate::task::TaskBuilder<'_>, var: &crate::var::Var<Data>) {
+    fn declare<'e>(self, t: &mut crate::task::TaskBuilder<'e>, var: &'e crate::var::Var<Data>) {
         if let Update::ReadModifyWrite = self {
             // Only the dependency matters; the task reads through its write token.
             drop(t.read(var));
