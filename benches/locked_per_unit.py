@@ -16,7 +16,8 @@ that instruction counts alone do not show.
 Method, as for the instruction counts in README.md: callgrind runs the shape 6
 times and 1 time (`--dump-instr=yes`); the executions of the locked
 instructions of the second run are subtracted from the first's and divided by
-the units of 5 runs, so that the setup is left out. Prints the total, the
+the units of 5 runs, so that the setup is left out. Prints the total (and
+all instructions per unit, counted the same way), the
 share of each object (the binary, the C library's allocator) and the
 functions with at least 0.2 per unit. Needs valgrind and objdump.
 """
@@ -81,6 +82,15 @@ def locked_addresses(obj):
     return found
 
 
+def summary(path):
+    """Instructions executed in all (callgrind's summary line)."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith("summary:"):
+                return int(line.split()[1])
+    return 0
+
+
 def locked(path):
     cost, func = costs(path)
     by_obj, by_fn = collections.Counter(), collections.Counter()
@@ -108,9 +118,13 @@ def main():
         units = u6 - u1
         obj6, fn6 = locked(f"{d}/six")
         obj1, fn1 = locked(f"{d}/one")
+        instructions = (summary(f"{d}/six") - summary(f"{d}/one")) / units
     unit = "access" if a.shape == "many_reads" else "node"
     total = (sum(obj6.values()) - sum(obj1.values())) / units
-    print(f"{a.shape} {a.size}: {total:.2f} locked instructions per {unit}")
+    print(
+        f"{a.shape} {a.size}: {total:.2f} locked instructions per {unit}"
+        f" ({instructions:.0f} instructions in all)"
+    )
     for obj in sorted(obj6):
         print(f"  {obj}: {(obj6[obj] - obj1.get(obj, 0)) / units:.2f}")
     rows = sorted(((fn6[f] - fn1.get(f, 0)) / units, f) for f in fn6)
