@@ -74,7 +74,7 @@ pub(crate) struct Storage<T> {
     engine: Engine,
     /// Writes recorded so far (see [`Var::version`]).
     version: std::sync::atomic::AtomicU64,
-    /// `Var` handles alive (tokens and task builders not counted).
+    /// `Var` handles alive (tokens not counted).
     handles: std::sync::atomic::AtomicUsize,
     value: RwLock<T>,
 }
