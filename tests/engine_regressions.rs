@@ -230,6 +230,36 @@ fn lazy_wait_all_with_a_task_recording_a_batch_finishes() {
     assert_eq!(v, 1);
 }
 
+/// If the last handle was dropped between `t.read(&v)` and `push`, the Var used
+/// to be forgotten before the record, which then ran without waiting for the
+/// pending writer. The builder now borrows the Var until the record, so that
+/// drop does not compile (see `TaskBuilder`'s `compile_fail` example); the
+/// last handle dropped right after the record must still leave the copy
+/// ordered after the write.
+#[test]
+fn access_declared_before_the_last_handle_is_dropped_keeps_its_dependency() {
+    let e = Engine::builder()
+        .mode(Mode::Lazy)
+        .workers(1)
+        .build()
+        .unwrap();
+    let v = e.var(1u32);
+    let out = e.var(0u32);
+    let mut t = e.task("write2");
+    let w = t.write(&v);
+    t.push(move || *w.write() = 2).unwrap();
+    let mut t = e.task("copy");
+    let r = t.read(&v);
+    let wo = t.write(&out);
+    t.push(move || *wo.write() = *r.read()).unwrap();
+    drop(v);
+    assert_eq!(
+        out.get().unwrap(),
+        2,
+        "copy ran before the write it must follow"
+    );
+}
+
 /// Helping: T1 blocks on G's output; its helper loop used to pick up any ready
 /// task, here T2, which blocks on y, whose writer T3 depends on T1 (suspended
 /// under T2 on the same stack). Helpers now run only ancestors of what they wait
