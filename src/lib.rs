@@ -41,8 +41,9 @@ mod device;
 pub mod dist;
 mod engine;
 mod error;
-// The one module with `unsafe`: the lock-free lists of dependents (see
-// `graph/mod.rs`). Everything else is safe code.
+// The one module with `unsafe`: the lock-free lists of dependents and the
+// node's job reached without a lock (see `graph/mod.rs`). Everything else
+// is safe code.
 #[allow(unsafe_code)]
 mod graph;
 pub mod nn;

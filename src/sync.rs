@@ -44,3 +44,37 @@ pub(crate) fn get_mut<T>(m: &mut Mutex<T>) -> &mut T {
         Err(p) => p.into_inner(),
     }
 }
+
+/// A cell reached without a lock by one thread at a time, in an order that the
+/// caller's protocol sets (a node's job: see `graph/README.md`); under loom,
+/// loom's cell, which fails a model where two threads reach it at once.
+#[cfg(not(loom))]
+pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+#[cfg(not(loom))]
+impl<T> UnsafeCell<T> {
+    pub(crate) const fn new(value: T) -> Self {
+        UnsafeCell(std::cell::UnsafeCell::new(value))
+    }
+
+    /// Calls `f` with a pointer to the value; dereferencing it is the
+    /// caller's promise that no other thread reaches the value meanwhile.
+    #[inline]
+    pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        f(self.0.get())
+    }
+}
+
+#[cfg(loom)]
+pub(crate) struct UnsafeCell<T>(loom::cell::UnsafeCell<T>);
+
+#[cfg(loom)]
+impl<T> UnsafeCell<T> {
+    pub(crate) fn new(value: T) -> Self {
+        UnsafeCell(loom::cell::UnsafeCell::new(value))
+    }
+
+    pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        self.0.with_mut(f)
+    }
+}

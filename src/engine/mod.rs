@@ -148,7 +148,7 @@ impl Completion {
     fn end(&mut self, outcome: Outcome) {
         let Some(node) = self.node.take() else { return };
         // Not a worker's loop: the released dependent goes to the queues.
-        if let Some(next) = self.shared.complete(&node, outcome, None) {
+        if let Some(next) = self.shared.complete(&node, outcome) {
             self.shared.pool.publish(next);
             self.shared.pool.wake(1);
         }
@@ -199,6 +199,8 @@ where
 }
 /// A node of this engine's graph.
 pub(crate) type NodeRef = graph::NodeRef<Job>;
+/// A node of this engine's graph, handed out to run.
+pub(crate) type Ready = graph::Ready<Job>;
 /// The access queue of one Var.
 pub(crate) type VarQueue = graph::VarQueue<Job>;
 /// One Var named by a node being recorded.
@@ -295,7 +297,7 @@ pub(crate) struct Shared {
     me: std::sync::Weak<Shared>,
 
     // Reachable from every thread, lock-free.
-    pool: Pool<NodeRef>,
+    pool: Pool<Ready>,
     /// Recorded, unfinished nodes. SeqCst: pairs with `drained.barrier` and `drained.stalled` (a
     /// completion that brings it down reads the waiters; a waiter that announced
     /// itself reads it) and with `retiring` (see `life.rs`).
@@ -711,17 +713,17 @@ fn lane_device(lane: u32) -> Device {
 }
 
 impl Host for Shared {
-    type Job = NodeRef;
+    type Job = Ready;
 
-    fn pool(&self) -> &Pool<NodeRef> {
+    fn pool(&self) -> &Pool<Ready> {
         &self.pool
     }
 
     /// Runs a node and completes it; returns the first dependent it released.
     #[inline]
-    fn run(&self, node: NodeRef) -> Option<NodeRef> {
-        let (outcome, spent) = execute(self, &node)?;
-        self.complete(&node, outcome, spent)
+    fn run(&self, node: Ready) -> Option<Ready> {
+        let outcome = execute(self, &node)?;
+        self.complete(&node, outcome)
     }
 
     fn may_exit(&self) -> bool {
@@ -730,22 +732,21 @@ impl Host for Shared {
 }
 
 /// Runs a node's job on this thread (or skips it when an input is poisoned),
-/// catching panics. Returns how it ended and the spent job, to keep with the
-/// node; `None` for a deferred job that was started (it completes through its
-/// [`Completion`]).
-fn execute(shared: &Shared, node: &NodeRef) -> Option<(Outcome, Option<Job>)> {
+/// catching panics, and gives the spent job back to the node (the next node
+/// recorded in its memory may reuse its box). Returns how it ended; `None` for
+/// a deferred job that was started (it completes through its
+/// [`Completion`]). `node` was handed out to this thread.
+fn execute(shared: &Shared, node: &Ready) -> Option<Outcome> {
     let Some((mut job, skip)) = node.take_job() else {
         // Unreachable: a node is handed out once.
-        return Some((
-            Outcome::Failed("the node's job was taken twice".into()),
-            None,
-        ));
+        return Some(Outcome::Failed("the node's job was taken twice".into()));
     };
     if let Some(err) = skip {
         // The closure's captures are dropped without running it; a panicking
         // Drop must not take the worker down with it.
         let _ = catch_unwind(AssertUnwindSafe(|| job.clear()));
-        return Some((Outcome::Skipped(err), Some(job)));
+        node.give_back(job);
+        return Some(Outcome::Skipped(err));
     }
     if job.deferred() {
         return start_deferred(shared, node, job);
@@ -767,16 +768,18 @@ fn execute(shared: &Shared, node: &NodeRef) -> Option<(Outcome, Option<Job>)> {
             Outcome::Failed(message)
         }
     };
-    Some((outcome, Some(job)))
+    node.give_back(job);
+    Some(outcome)
 }
 
 /// Starts a deferred job. A panic before it handed its completion on drops the
 /// completion, which fails the node; a panic after that leaves the ending to
 /// whoever holds it.
 #[cold]
-fn start_deferred(shared: &Shared, node: &NodeRef, mut job: Job) -> Option<(Outcome, Option<Job>)> {
+fn start_deferred(shared: &Shared, node: &NodeRef, mut job: Job) -> Option<Outcome> {
     let Some(me) = shared.me.upgrade() else {
-        return Some((Outcome::Failed("the engine is gone".into()), Some(job)));
+        let _ = catch_unwind(AssertUnwindSafe(move || drop(job)));
+        return Some(Outcome::Failed("the engine is gone".into()));
     };
     let done = Completion {
         node: Some(node.clone()),
@@ -926,8 +929,8 @@ impl Shared {
         // some machines.
         shard.count(weight);
         let (node, ready) = graph::record(meta, accesses, job, !lazy, shard.take());
-        if ready {
-            self.pool.publish(node.clone());
+        if let Some(ready) = ready {
+            self.pool.publish(ready);
             self.pool.wake(1);
         }
         // SeqCst, with the shard locked (the node's place in it does not
@@ -987,7 +990,7 @@ impl Shared {
     /// Publishes a node the demand walk found ready, and wakes a worker for it
     /// at once: the walk of a large graph takes a while, and its first ready
     /// nodes can run meanwhile.
-    fn hand_out(&self, node: NodeRef) {
+    fn hand_out(&self, node: Ready) {
         self.pool.publish(node);
         self.pool.wake(1);
     }
@@ -1023,7 +1026,7 @@ impl Shared {
     /// Completes a node that ran: releases its dependents (the first one is
     /// returned for this thread to run next, the others are published) and
     /// wakes whoever waits for it or for the graph to drain.
-    fn complete(&self, node: &NodeRef, outcome: Outcome, spent: Option<Job>) -> Option<NodeRef> {
+    fn complete(&self, node: &NodeRef, outcome: Outcome) -> Option<Ready> {
         match &outcome {
             Outcome::Done => {}
             Outcome::Failed(_) => {
@@ -1037,7 +1040,7 @@ impl Shared {
         // releases is handed out: nobody sees a dependent run while the node
         // still looks unfinished. The first one released runs next on this
         // thread; the others are published.
-        let finished = graph::complete(node, outcome, spent);
+        let finished = graph::complete(node, outcome);
         let weight = node.meta.weight as usize;
         let live = self.live.fetch_sub(weight, Ordering::SeqCst) - weight;
         let mut next = None;
@@ -1188,14 +1191,14 @@ impl Shared {
     /// as the wait needs them (the rest go to the queues).
     fn run_completing(
         &self,
-        mut node: NodeRef,
+        mut node: Ready,
         allowed: &std::collections::HashMap<usize, NodeRef>,
     ) {
         loop {
-            let Some((outcome, spent)) = execute(self, &node) else {
+            let Some(outcome) = execute(self, &node) else {
                 return;
             };
-            match self.complete(&node, outcome, spent) {
+            match self.complete(&node, outcome) {
                 Some(next) if allowed.contains_key(&next.key()) => node = next,
                 Some(next) => {
                     self.pool.publish(next);

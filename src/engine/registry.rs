@@ -188,7 +188,7 @@ impl Registry {
     /// `global_demand` and lists the node in one hold of its shard's lock:
     /// if it read zero, this walk locks the shard after it and finds the
     /// node).
-    pub(super) fn demand_all(&self, ready: &mut impl FnMut(NodeRef)) {
+    pub(super) fn demand_all(&self, ready: &mut impl FnMut(super::Ready)) {
         for shard in &self.shards {
             let s = lock(shard);
             crate::graph::demand_listed(s.nodes.iter(), ready);

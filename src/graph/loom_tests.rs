@@ -24,18 +24,22 @@ fn access(var: &VarQueue<u32>, read: bool, write: bool) -> Accesses<'_, u32> {
 /// Records a writer of `x`, the first access to it: ready at once.
 fn first_writer(x: &VarQueue<u32>) -> NodeRef<u32> {
     let (w, ready) = record(meta("w"), &mut access(x, false, true), |_| 1, true, None);
-    assert!(ready);
+    assert!(ready.is_some());
     w
 }
 
 /// Records a reader of `x` whose job is `job`, counted in `handed` if it is
-/// ready at once.
-fn reader(x: &VarQueue<u32>, job: u32, handed: &AtomicUsize) -> NodeRef<u32> {
+/// ready at once (and then handed out with it).
+fn reader(
+    x: &VarQueue<u32>,
+    job: u32,
+    handed: &AtomicUsize,
+) -> (NodeRef<u32>, Option<Ready<u32>>) {
     let (r, ready) = record(meta("r"), &mut access(x, true, false), |_| job, true, None);
-    if ready {
+    if ready.is_some() {
         handed.fetch_add(1, Ordering::SeqCst);
     }
-    r
+    (r, ready)
 }
 
 /// Two dependencies complete on two threads at once: the node that waits for
@@ -46,7 +50,7 @@ fn the_dependency_count_hands_a_node_out_once() {
         let (x, y) = (VarQueue::<u32>::default(), VarQueue::<u32>::default());
         let (a, ready_a) = record(meta("a"), &mut access(&x, false, true), |_| 1, true, None);
         let (b, ready_b) = record(meta("b"), &mut access(&y, false, true), |_| 2, true, None);
-        assert!(ready_a && ready_b);
+        assert!(ready_a.is_some() && ready_b.is_some());
         let mut both = access(&x, true, false);
         both.push(Access {
             var: &y,
@@ -54,15 +58,15 @@ fn the_dependency_count_hands_a_node_out_once() {
             write: false,
         });
         let (c, ready_c) = record(meta("c"), &mut both, |_| 3, true, None);
-        assert!(!ready_c);
+        assert!(ready_c.is_none());
         let handed = Arc::new(AtomicUsize::new(0));
         let (a2, h2) = (a.clone(), handed.clone());
         let t = loom::thread::spawn(move || {
-            complete(&a2, Outcome::Done, None).wake(&mut |_| {
+            complete(&a2, Outcome::Done).wake(&mut |_| {
                 h2.fetch_add(1, Ordering::SeqCst);
             });
         });
-        complete(&b, Outcome::Done, None).wake(&mut |_| {
+        complete(&b, Outcome::Done).wake(&mut |_| {
             handed.fetch_add(1, Ordering::SeqCst);
         });
         t.join().unwrap();
@@ -83,19 +87,18 @@ fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
         let (w2, h2) = (w.clone(), handed.clone());
         let t = loom::thread::spawn(move || {
             let mut got = None;
-            complete(&w2, Outcome::Failed("boom".into()), None).wake(&mut |r| got = Some(r));
+            complete(&w2, Outcome::Failed("boom".into())).wake(&mut |r| got = Some(r));
             if got.is_some() {
                 h2.fetch_add(1, Ordering::SeqCst);
             }
             got
         });
-        let r = reader(&x, 2, &handed);
+        let (r, at_record) = reader(&x, 2, &handed);
         let released = t.join().unwrap();
         assert_eq!(handed.load(Ordering::SeqCst), 1);
-        if let Some(n) = released {
-            assert!(Arc::ptr_eq(&n, &r));
-        }
-        let (_, skip) = r.take_job().unwrap();
+        let handed_out = released.or(at_record).expect("counted once above");
+        assert!(Arc::ptr_eq(&handed_out, &r));
+        let (_, skip) = handed_out.take_job().unwrap();
         assert!(skip.is_some(), "the reader of a failed write is skipped");
     });
 }
@@ -112,17 +115,23 @@ fn links_pushed_while_the_list_closes_are_each_released_once() {
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
         let completer = loom::thread::spawn(move || {
-            complete(&w2, Outcome::Done, None).wake(&mut |_| {
+            let mut released = Vec::new();
+            complete(&w2, Outcome::Done).wake(&mut |r| {
                 h2.fetch_add(1, Ordering::SeqCst);
+                released.push(r);
             });
+            released
         });
         let (x2, h3) = (x.clone(), handed.clone());
-        let other = loom::thread::spawn(move || reader(&x2, 2, &h3));
-        let r2 = reader(&x, 3, &handed);
-        completer.join().unwrap();
-        let r1 = other.join().unwrap();
+        let other = loom::thread::spawn(move || reader(&x2, 2, &h3).1);
+        let (_, r2) = reader(&x, 3, &handed);
+        let mut all = completer.join().unwrap();
+        all.extend(other.join().unwrap());
+        all.extend(r2);
         assert_eq!(handed.load(Ordering::SeqCst), 2);
-        assert!(r1.take_job().is_some() && r2.take_job().is_some());
+        let mut jobs: Vec<u32> = all.iter().map(|r| r.take_job().unwrap().0).collect();
+        jobs.sort();
+        assert_eq!(jobs, vec![2, 3], "each reader handed out once");
     });
 }
 
@@ -155,10 +164,10 @@ fn crossed_records_never_wire_a_cycle() {
         let (n2, ready2) = record(meta("n2"), &mut a, |_| 2, true, None);
         let (n1, ready1) = t.join().unwrap();
         // Exactly one is ready; completing it releases the other.
-        assert!(ready1 ^ ready2);
-        let (first, second) = if ready1 { (n1, n2) } else { (n2, n1) };
+        assert!(ready1.is_some() ^ ready2.is_some());
+        let (first, second) = if ready1.is_some() { (n1, n2) } else { (n2, n1) };
         let mut released = Vec::new();
-        complete(&first, Outcome::Done, None).wake(&mut |r| released.push(r));
+        complete(&first, Outcome::Done).wake(&mut |r| released.push(r));
         assert_eq!(released.len(), 1);
         assert!(Arc::ptr_eq(&released[0], &second));
     });
@@ -174,7 +183,7 @@ fn the_blocker_latch_is_never_missed() {
         let (n, _) = record(meta("n"), &mut access(&x, false, true), |_| 1, true, None);
         let n2 = n.clone();
         let t = loom::thread::spawn(move || {
-            complete(&n2, Outcome::Done, None).wake(&mut |_| {});
+            complete(&n2, Outcome::Done).wake(&mut |_| {});
         });
         let latch = Arc::new(Latch::default());
         if n.add_waiter(&latch) {
@@ -192,13 +201,13 @@ fn demand_racing_with_completion_hands_out_once() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
         let (w, ready) = record(meta("w"), &mut access(&x, false, true), |_| 1, true, None);
-        assert!(ready);
+        assert!(ready.is_some());
         let (r, ready) = record(meta("r"), &mut access(&x, true, false), |_| 2, false, None);
-        assert!(!ready);
+        assert!(ready.is_none());
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
         let t = loom::thread::spawn(move || {
-            complete(&w2, Outcome::Done, None).wake(&mut |_| {
+            complete(&w2, Outcome::Done).wake(&mut |_| {
                 h2.fetch_add(1, Ordering::SeqCst);
             });
         });
@@ -218,14 +227,14 @@ fn a_node_is_recorded_into_only_once_finished_and_let_go() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
         let (n, ready) = record(meta("n"), &mut access(&x, false, true), |_| 1, true, None);
-        assert!(ready);
         // Dropping the Var lets go of its reference (as its last writer): the
         // worker's and the recorder's are the only ones left.
         drop(x);
-        let worker = n.clone();
+        let worker = ready.expect("a first write, demanded: ready");
         let t = loom::thread::spawn(move || {
             let (job, _) = worker.take_job().unwrap();
-            complete(&worker, Outcome::Done, Some(job * 10)).wake(&mut |_| {});
+            worker.give_back(job * 10);
+            complete(&worker, Outcome::Done).wake(&mut |_| {});
             drop(worker);
         });
         let at = n.key();
@@ -241,13 +250,14 @@ fn a_node_is_recorded_into_only_once_finished_and_let_go() {
             true,
             Some(n),
         );
-        assert!(ready && !m.is_done());
+        let ready = ready.expect("a first write, demanded: ready");
+        assert!(!m.is_done());
         if m.key() == at {
             assert_eq!(seen, Some(10), "reused only after its completion");
         } else {
             assert_eq!(seen, None);
         }
-        assert_eq!(m.take_job().unwrap().0, 2);
+        assert_eq!(ready.take_job().unwrap().0, 2);
         t.join().unwrap();
     });
 }

@@ -10,8 +10,8 @@
 //!   (read-after-write), and the last writer plus the readers of what it writes
 //!   (write-after-write, write-after-read). The new node's link joins each such
 //!   node's list of dependents: a lock-free stack of links kept in the waiting
-//!   nodes, with no allocation, lock or reference count per edge (the crate's
-//!   only `unsafe` code; see `README.md`).
+//!   nodes, with no allocation, lock or reference count per edge (with the
+//!   node's job, below, the crate's only `unsafe` code; see `README.md`).
 //! - **The count** ([`Node::pending`]): unfinished dependencies, plus one while
 //!   the node is being recorded, plus a bit until it is demanded (Lazy mode).
 //!   Whoever brings it to zero hands the node out, exactly once.
@@ -19,6 +19,9 @@
 //!   dependents' counts; the Var queues keep the finished writer (its outcome is
 //!   the Var's poison) until the next write replaces it.
 //! - **Demanding** ([`demand`]) walks the node's own dependency lists.
+//! - **Running**: the node goes to the caller as a [`Ready`], of which there
+//!   is one per recorded node; its holder takes the job and gives the spent
+//!   job back without a lock.
 //!
 //! Why per-node dependents and not a FIFO of waiting accesses per Var (MXNet's
 //! ThreadedVar): the edges are exact, a completion releases its dependents without
@@ -34,7 +37,7 @@ mod analysis;
 use crate::error::{Error, Location, SharedError};
 use crate::sync::{
     fence_seq_cst, get_mut, lock, Arc, AtomicBool, AtomicPtr, AtomicU32, Condvar, Mutex,
-    MutexGuard, Ordering,
+    MutexGuard, Ordering, UnsafeCell,
 };
 use smallvec::SmallVec;
 
@@ -197,6 +200,29 @@ fn take_demand<J>(n: &Node<J>) -> Option<bool> {
     (old & UNDEMANDED != 0).then_some(old == UNDEMANDED)
 }
 
+/// A node's job until it is taken to run, then the spent job, whose box the
+/// next node recorded in the same memory may reuse. No lock: one thread at a
+/// time reaches it, each after the one before (see `README.md`): the
+/// recorder filling the node, the one thread the node is handed out to
+/// ([`Ready::take_job`], [`Ready::give_back`]), and a recorder that reuses the
+/// node once nobody else holds it. A lock here was two locked instructions
+/// per node, about 15 ns on some machines.
+struct JobSlot<J>(UnsafeCell<Option<J>>);
+
+// SAFETY: one thread at a time reaches the job (above), and `J: Send` lets it
+// move from one to the next.
+unsafe impl<J: Send> Sync for JobSlot<J> {}
+
+impl<J> JobSlot<J> {
+    /// The job, reached through `&mut` (the recorder filling or reusing the
+    /// node).
+    #[inline]
+    fn get_mut(&mut self) -> &mut Option<J> {
+        // SAFETY: `&mut self`: nothing else reaches the cell.
+        self.0.with_mut(|j| unsafe { &mut *j })
+    }
+}
+
 /// One operation in the graph.
 pub(crate) struct Node<J> {
     pub(crate) meta: NodeMeta,
@@ -220,6 +246,12 @@ pub(crate) struct Node<J> {
     /// closes), so that a recorder locks `state` only to fetch an error that
     /// exists.
     failed: AtomicBool,
+    /// Whether an input's failure was stored in `State::skip` (set under the
+    /// lock before the unit of the one storing it is removed, so seen by the
+    /// thread the node is handed out to), so that [`Ready::take_job`] locks
+    /// only to fetch a failure that exists.
+    skipped: AtomicBool,
+    job: JobSlot<J>,
     /// The nodes waiting for this one: a stack of their [`Link`]s, pushed
     /// by recorders with a compare-and-swap, and taken whole by [`complete`],
     /// which leaves [`closed`] in its place (a recorder that finds it counts
@@ -243,11 +275,6 @@ pub(crate) struct Node<J> {
 }
 
 struct State<J> {
-    /// `None` once handed out.
-    job: Option<J>,
-    /// The job after it ran, given back by [`complete`]: its allocation may hold
-    /// the job of the next node recorded in this node's memory (see [`record`]).
-    spent: Option<J>,
     /// The failure of an input: the node is skipped instead of run.
     skip: Option<SharedError>,
     /// The node's own failure, once it completed.
@@ -269,13 +296,13 @@ impl<J> Node<J> {
             done: AtomicBool::new(true),
             has_waiters: AtomicBool::new(false),
             failed: AtomicBool::new(false),
+            skipped: AtomicBool::new(false),
+            job: JobSlot(UnsafeCell::new(None)),
             dependents: AtomicPtr::new(closed()),
             linked: AtomicBool::new(false),
             writes: SmallVec::new(),
             links: SmallVec::new(),
             state: Mutex::new(State {
-                job: None,
-                spent: None,
                 skip: None,
                 err: None,
                 deps: SmallVec::new(),
@@ -302,6 +329,7 @@ impl<J> Node<J> {
         self.done.store(false, Ordering::Relaxed);
         self.has_waiters.store(false, Ordering::Relaxed);
         self.failed.store(false, Ordering::Relaxed);
+        *self.job.get_mut() = Some(job);
         debug_assert!(self.dependents.load(Ordering::Relaxed) == closed());
         self.dependents
             .store(std::ptr::null_mut(), Ordering::Relaxed);
@@ -309,8 +337,6 @@ impl<J> Node<J> {
         self.writes.clear();
         self.links.clear();
         let st = get_mut(&mut self.state);
-        st.job = Some(job);
-        st.spent = None;
         st.skip = None;
         st.err = None;
         // Emptied when the node completed (its lists) and woke (its waiters).
@@ -368,6 +394,8 @@ impl<J> Node<J> {
                 },
             );
         }
+        // A Var read that a failed write poisoned skips the node.
+        self.skipped.store(st.skip.is_some(), Ordering::Relaxed);
         self.pending
             .store(st.deps.len() as u32 + hold, Ordering::Relaxed);
     }
@@ -398,12 +426,13 @@ impl<J> Node<J> {
         self as *const Self as *const () as usize
     }
 
-    /// Takes the job to run it, with the failure that makes it skip instead.
-    /// `None` if it was taken already.
-    pub(crate) fn take_job(&self) -> Option<(J, Option<SharedError>)> {
-        let mut s = lock(&self.state);
-        let job = s.job.take()?;
-        Some((job, s.skip.clone()))
+    /// Notes an input's failure, which makes the node skip instead of run;
+    /// before the unit of the one noting it is removed.
+    fn set_skip(&self, s: &mut State<J>, err: &SharedError) {
+        if s.skip.is_none() {
+            s.skip = Some(err.clone());
+            self.skipped.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Registers `latch` to be set when the node completes. Returns false (and
@@ -446,6 +475,49 @@ impl<J> Node<J> {
     #[inline]
     fn seen_demanded(&self) -> bool {
         self.pending.load(Ordering::Relaxed) & UNDEMANDED == 0
+    }
+}
+
+/// A node handed out to run. Only the graph makes one, as it hands the node
+/// out (the thread that brings the node's count to zero does, once per
+/// recorded node), and it cannot be cloned: its holder alone reaches the
+/// node's job, without a lock (see [`JobSlot`]). It derefs to the node.
+pub(crate) struct Ready<J>(NodeRef<J>);
+
+impl<J> std::ops::Deref for Ready<J> {
+    type Target = NodeRef<J>;
+
+    #[inline]
+    fn deref(&self) -> &NodeRef<J> {
+        &self.0
+    }
+}
+
+impl<J> Ready<J> {
+    /// Takes the job to run it, with the failure that makes it skip instead.
+    /// `None` if it was taken already.
+    pub(crate) fn take_job(&self) -> Option<(J, Option<SharedError>)> {
+        let node = &self.0;
+        // SAFETY: only the holder of the node's one `Ready` reaches the
+        // job, and the hand-out happened after the fill (the count's AcqRel
+        // decrements, then the queues of the pool).
+        let job = node.job.0.with_mut(|j| unsafe { (*j).take() })?;
+        // Acquire (Relaxed would do: the hand-out follows every store).
+        let skip = if node.skipped.load(Ordering::Acquire) {
+            lock(&node.state).skip.clone()
+        } else {
+            None
+        };
+        Some((job, skip))
+    }
+
+    /// Gives the job back after it ran: its allocation may hold the job of
+    /// the next node recorded in this node's memory (see [`record`], which
+    /// reuses it only once nobody else holds the node: this `Ready` is let
+    /// go of first).
+    pub(crate) fn give_back(&self, spent: J) {
+        // SAFETY: as in `take_job`.
+        self.0.job.0.with_mut(|j| unsafe { *j = Some(spent) });
     }
 }
 
@@ -590,14 +662,14 @@ pub(crate) struct Access<'a, J> {
 /// makes the node's job from the spare's spent job, if it is reused and one
 /// was given back (its allocation may hold the new job).
 ///
-/// Returns the node and whether it is ready now (the caller hands it out).
+/// Returns the node, and the node handed out if it is ready now.
 pub(crate) fn record<J>(
     meta: NodeMeta,
     accesses: &mut Accesses<'_, J>,
     job: impl FnOnce(Option<J>) -> J,
     demanded: bool,
     spare: Option<NodeRef<J>>,
-) -> (NodeRef<J>, bool) {
+) -> (NodeRef<J>, Option<Ready<J>>) {
     // The one check that the spare is ours: `unique` proves nobody else can
     // reach it, and the reference it gives is held until the node is filled.
     let mut spare = spare;
@@ -608,7 +680,7 @@ pub(crate) fn record<J>(
     // Made before any lock is taken: it may allocate.
     let job = job(slot
         .as_mut()
-        .and_then(|n| get_mut(&mut n.state).spent.take()));
+        .and_then(|n| n.job.get_mut().take()));
 
     // Address order, duplicates merged: every recorder locks shared Vars in the
     // same order, so two records that share Vars are serialized, never crossed.
@@ -706,18 +778,17 @@ pub(crate) fn record<J>(
             }
         }
     }
-    if skip.is_some() {
-        let mut mine = lock(&node.state);
-        if mine.skip.is_none() {
-            mine.skip = skip;
-        }
+    if let Some(e) = &skip {
+        node.set_skip(&mut lock(&node.state), e);
     }
     let ready = node.pending.fetch_sub(released, Ordering::AcqRel) == released;
     if ready {
         // Every link was taken (or none joined): the lists' count goes.
         let_go_of_links(&node);
+        let handed = Ready(node.clone());
+        return (node, Some(handed));
     }
-    (node, ready)
+    (node, None)
 }
 
 /// The node behind `n` if `n` is its only reference: [`Arc::get_mut`]
@@ -771,7 +842,7 @@ fn let_go_of_links<J>(node: &NodeRef<J>) {
 /// The roots are walked one after the other in the order given, each with
 /// what it waits for: given oldest first (record order), the first
 /// nodes handed out can run while the walk goes on, instead of after it.
-pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(NodeRef<J>)) -> usize {
+pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(Ready<J>)) -> usize {
     let mut marked = 0;
     let mut stack: SmallVec<[NodeRef<J>; 16]> = SmallVec::new();
     for root in roots {
@@ -794,7 +865,7 @@ pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(NodeRef<J>)
 /// [`demand`] also locks each node that waits for something to read its list.
 pub(crate) fn demand_listed<'a, J: 'a>(
     nodes: impl Iterator<Item = &'a NodeRef<J>>,
-    ready: &mut impl FnMut(NodeRef<J>),
+    ready: &mut impl FnMut(Ready<J>),
 ) -> usize {
     let mut marked = 0;
     for n in nodes {
@@ -807,7 +878,7 @@ pub(crate) fn demand_listed<'a, J: 'a>(
         marked += 1;
         if now_ready {
             let_go_of_links(n);
-            ready(n.clone());
+            ready(Ready(n.clone()));
         }
     }
     marked
@@ -816,7 +887,7 @@ pub(crate) fn demand_listed<'a, J: 'a>(
 /// The walk of [`demand`] from the nodes on `stack`.
 fn demand_from<J>(
     stack: &mut SmallVec<[NodeRef<J>; 16]>,
-    ready: &mut impl FnMut(NodeRef<J>),
+    ready: &mut impl FnMut(Ready<J>),
 ) -> usize {
     let mut marked = 0;
     while let Some(n) = stack.pop() {
@@ -830,7 +901,7 @@ fn demand_from<J>(
         if now_ready {
             // Every dependency has finished: nothing to walk.
             let_go_of_links(&n);
-            ready(n);
+            ready(Ready(n));
             continue;
         }
         // Only what this walk has still to mark: a dependency demanded before
@@ -870,7 +941,7 @@ pub(crate) struct Finished<'a, J> {
 impl<J> Finished<'_, J> {
     /// Marks the node finished, wakes its blockers and releases its
     /// dependents (those that become ready go to `ready`, in record order).
-    pub(crate) fn wake(self, ready: &mut impl FnMut(NodeRef<J>)) {
+    pub(crate) fn wake(self, ready: &mut impl FnMut(Ready<J>)) {
         let node = self.node;
         node.done.store(true, Ordering::Release);
         fence_seq_cst();
@@ -900,31 +971,23 @@ impl<J> Finished<'_, J> {
             let d = unsafe { &*owner };
             if reads {
                 if let Some(e) = &self.err {
-                    let mut s = lock(&d.state);
-                    if s.skip.is_none() {
-                        s.skip = Some(e.clone());
-                    }
+                    d.set_skip(&mut lock(&d.state), e);
                 }
             }
             if d.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
                 // SAFETY: the count taken with `Arc::into_raw` in `record`,
                 // handed out by the one that brought the count to zero.
-                ready(unsafe { Arc::from_raw(owner.cast_const()) });
+                ready(Ready(unsafe { Arc::from_raw(owner.cast_const()) }));
             }
             at = next;
         }
     }
 }
 
-/// Completes a node that ran (or was skipped): stores its outcome (and the spent
-/// job, if the caller gives it back) and closes its list of dependents. The
-/// caller counts it out of its own books, then [`Finished::wake`] marks it
-/// finished and releases the dependents.
-pub(crate) fn complete<J>(
-    node: &NodeRef<J>,
-    outcome: Outcome,
-    spent: Option<J>,
-) -> Finished<'_, J> {
+/// Completes a node that ran (or was skipped): stores its outcome and closes
+/// its list of dependents. The caller counts it out of its own books, then
+/// [`Finished::wake`] marks it finished and releases the dependents.
+pub(crate) fn complete<J>(node: &NodeRef<J>, outcome: Outcome) -> Finished<'_, J> {
     let err: Option<SharedError> = match outcome {
         Outcome::Done => None,
         Outcome::Failed(message) => Some(std::sync::Arc::new(Error::Failed {
@@ -934,13 +997,17 @@ pub(crate) fn complete<J>(
         })),
         Outcome::Skipped(e) => Some(e),
     };
-    let deps = {
+    // The lock only for a failure to store or dependencies to let go of
+    // (whose list a demand walk may be reading): a node that waited for
+    // nothing and ran completes without one.
+    let deps = if err.is_some() || !node.links.is_empty() {
         let mut s = lock(&node.state);
-        s.spent = spent;
         s.err.clone_from(&err);
-        node.failed.store(err.is_some(), Ordering::Release);
         std::mem::take(&mut s.deps)
+    } else {
+        SmallVec::new()
     };
+    node.failed.store(err.is_some(), Ordering::Release);
     // AcqRel: a recorder that finds the list closed sees `failed` (and the
     // error under the lock); this thread sees every link pushed before.
     let mut stack = node.dependents.swap(closed(), Ordering::AcqRel);

@@ -25,7 +25,7 @@ fn rec(name: &'static str, reads: &[&Q], writes: &[&Q], job: u32) -> NodeRef<u32
         write: true,
     }));
     let (node, ready) = record(meta(name), &mut acc, |_| job, false, None);
-    assert!(!ready, "a Lazy node is not ready before it is demanded");
+    assert!(ready.is_none(), "a Lazy node is not ready before it is demanded");
     node
 }
 
@@ -37,13 +37,13 @@ fn demanded(roots: &[NodeRef<u32>]) -> Vec<u32> {
     out
 }
 
-fn finish(n: &NodeRef<u32>, outcome: Outcome) -> Vec<NodeRef<u32>> {
+fn finish(n: &NodeRef<u32>, outcome: Outcome) -> Vec<Ready<u32>> {
     let mut ready = Vec::new();
-    complete(n, outcome, None).wake(&mut |r| ready.push(r));
+    complete(n, outcome).wake(&mut |r| ready.push(r));
     ready
 }
 
-fn jobs(ready: Vec<NodeRef<u32>>) -> Vec<u32> {
+fn jobs(ready: Vec<Ready<u32>>) -> Vec<u32> {
     let mut v: Vec<u32> = ready.iter().map(|n| n.take_job().unwrap().0).collect();
     v.sort();
     v
@@ -90,7 +90,7 @@ fn a_node_demanded_at_record_is_ready_at_once() {
         write: true,
     });
     let (a, ready) = record(meta("a"), &mut acc, |_| 1, true, None);
-    assert!(ready);
+    assert!(ready.is_some());
     let mut acc: Accesses<'_, u32> = SmallVec::new();
     acc.push(Access {
         var: &x,
@@ -98,7 +98,7 @@ fn a_node_demanded_at_record_is_ready_at_once() {
         write: false,
     });
     let (b, ready) = record(meta("b"), &mut acc, |_| 2, true, None);
-    assert!(!ready, "b reads what a writes");
+    assert!(ready.is_none(), "b reads what a writes");
     assert_eq!(finish(&a, Outcome::Done).len(), 1);
     assert!(finish(&b, Outcome::Done).is_empty());
 }
@@ -236,9 +236,10 @@ fn a_waiter_is_woken_by_the_completion() {
     assert!(!a.add_waiter(&latch), "a finished node takes no waiters");
 }
 
-/// Records a demanded write of `var` into `spare`: the node, and the spent job
-/// its job was made from (`None` if the spare was not reused or gave none).
-fn rec_into(var: &Q, spare: NodeRef<u32>, job: u32) -> (NodeRef<u32>, Option<u32>) {
+/// Records a demanded write of `var` into `spare`: the node (handed out), and
+/// the spent job its job was made from (`None` if the spare was not reused or
+/// gave none).
+fn rec_into(var: &Q, spare: NodeRef<u32>, job: u32) -> (Ready<u32>, Option<u32>) {
     let mut acc: Accesses<'_, u32> = SmallVec::new();
     acc.push(Access {
         var,
@@ -246,7 +247,7 @@ fn rec_into(var: &Q, spare: NodeRef<u32>, job: u32) -> (NodeRef<u32>, Option<u32
         write: true,
     });
     let mut seen = None;
-    let (node, ready) = record(
+    let (_, ready) = record(
         meta("into"),
         &mut acc,
         |spent| {
@@ -256,8 +257,7 @@ fn rec_into(var: &Q, spare: NodeRef<u32>, job: u32) -> (NodeRef<u32>, Option<u32
         true,
         Some(spare),
     );
-    assert!(ready);
-    (node, seen)
+    (ready.expect("a first write, demanded: ready"), seen)
 }
 
 #[test]
@@ -301,11 +301,15 @@ fn an_unfinished_or_shared_node_is_not_recorded_into() {
     let bt = b.key();
     let (n, _) = rec_into(&Q::default(), b, 6);
     assert_ne!(n.key(), bt);
-    // The spent job given back on completion comes with the node's memory.
+    // The spent job given back after the run comes with the node's memory.
     let c = rec("c", &[], &[&Q::default()], 3);
-    demanded(std::slice::from_ref(&c));
     let mut ready = Vec::new();
-    complete(&c, Outcome::Done, Some(30)).wake(&mut |r| ready.push(r));
+    demand(std::slice::from_ref(&c), &mut |r| ready.push(r));
+    let handed = ready.pop().expect("c waits for nothing");
+    assert_eq!(handed.take_job().unwrap().0, 3);
+    handed.give_back(30);
+    drop(handed);
+    assert!(finish(&c, Outcome::Done).is_empty());
     let ct = c.key();
     let (d, spent) = rec_into(&Q::default(), c, 7);
     assert_eq!((d.key(), spent), (ct, Some(30)));
