@@ -93,7 +93,7 @@ def summary(path):
 
 def locked(path):
     cost, func = costs(path)
-    by_obj, by_fn = collections.Counter(), collections.Counter()
+    by_obj, by_fn, by_addr = collections.Counter(), collections.Counter(), collections.Counter()
     cache = {}
     for (obj, addr), n in cost.items():
         if not obj or not obj.startswith("/") or not os.path.exists(obj):
@@ -103,23 +103,28 @@ def locked(path):
         if addr in cache[obj]:
             by_obj[os.path.basename(obj)] += n
             by_fn[func[(obj, addr)]] += n
-    return by_obj, by_fn
+            by_addr[(os.path.basename(obj), addr, func[(obj, addr)])] += n
+    return by_obj, by_fn, by_addr
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("shape", choices=["chain", "wide", "tree", "many_reads"])
+    p.add_argument("shape", choices=["chain", "wide", "tree", "many_reads", "tensor_op"])
     p.add_argument("size", type=int)
     p.add_argument("--binary", default="target/release/examples/node_cost")
+    p.add_argument(
+        "--addresses", action="store_true",
+        help="also list each locked instruction's address with its count per unit",
+    )
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         u6 = run(a.binary, a.shape, a.size, 6, f"{d}/six")
         u1 = run(a.binary, a.shape, a.size, 1, f"{d}/one")
         units = u6 - u1
-        obj6, fn6 = locked(f"{d}/six")
-        obj1, fn1 = locked(f"{d}/one")
+        obj6, fn6, addr6 = locked(f"{d}/six")
+        obj1, fn1, addr1 = locked(f"{d}/one")
         instructions = (summary(f"{d}/six") - summary(f"{d}/one")) / units
-    unit = "access" if a.shape == "many_reads" else "node"
+    unit = {"many_reads": "access", "tensor_op": "op"}.get(a.shape, "node")
     total = (sum(obj6.values()) - sum(obj1.values())) / units
     print(
         f"{a.shape} {a.size}: {total:.2f} locked instructions per {unit}"
@@ -131,6 +136,11 @@ def main():
     for v, f in reversed(rows):
         if v >= 0.2:
             print(f"  {v:6.2f}  {f[:100]}")
+    if a.addresses:
+        rows = sorted(((addr6[k] - addr1.get(k, 0)) / units, k) for k in addr6)
+        for v, (obj, addr, f) in reversed(rows):
+            if v >= 0.05:
+                print(f"  {v:6.2f}  {obj} {addr:#x}  {f[:80]}")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,15 @@
 //! callgrind, or to time one shape alone.
 //!
 //! ```text
-//! cargo run --release --example node_cost -- <chain|wide|tree|many_reads> [size] [reps]
+//! cargo run --release --example node_cost -- <chain|wide|tree|many_reads|tensor_op> [size] [reps]
 //! valgrind --tool=callgrind target/release/examples/node_cost chain 200000 5
 //! ```
 //!
 //! `size` is the nodes of `chain` and `wide`, the depth of `tree` (it has
-//! 2^(depth+1) nodes less 2) and the tasks of `many_reads` (whose unit is a
-//! declared access, about 11.5 per task). Prints ns per unit and the units
+//! 2^(depth+1) nodes less 2), the tasks of `many_reads` (whose unit is a
+//! declared access, about 11.5 per task) and the ops of `tensor_op` (`&x + &y`
+//! on 4 elements, as `record_tensor_op` in the benchmark, whose results are
+//! kept until the barrier). Prints ns per unit and the units
 //! run. Instructions per unit, leaving the setup out (the engine, the inputs):
 //! callgrind's count for 6 runs less its count for 1 run, divided by the units
 //! of 5 runs. `benches/locked_per_unit.py` counts the locked instructions
@@ -19,7 +21,7 @@
 mod demos;
 
 use demos::shapes::{chain, many_reads, many_reads_inputs, tree, wide};
-use lazyflow::{Engine, Mode, Var};
+use lazyflow::{Engine, Mode, Tensor, Var};
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -34,6 +36,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Vec::new()
     };
     let vars: Vec<Var<u64>> = (0..100).map(|_| e.var(0u64)).collect();
+    let (x, y) = (Tensor::ones_in(&e, [4]), Tensor::ones_in(&e, [4]));
+    let mut outs = Vec::with_capacity(if shape == "tensor_op" { size } else { 0 });
     let start = Instant::now();
     let mut units = 0;
     for _ in 0..reps {
@@ -42,21 +46,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "wide" => wide(&e, size, || {}),
             "tree" => tree(&e, size as u32),
             "many_reads" => many_reads(&e, &vars, &plan),
+            "tensor_op" => {
+                outs.extend((0..size).map(|_| &x + &y));
+                size
+            }
             other => {
                 return Err(
-                    format!("unknown shape {other:?}: chain, wide, tree or many_reads").into(),
+                    format!("unknown shape {other:?}: chain, wide, tree, many_reads or tensor_op")
+                        .into(),
                 )
             }
         };
         e.wait_all()?;
+        outs.clear();
     }
     let ns = start.elapsed().as_secs_f64() * 1e9 / units as f64;
     println!(
         "{shape}: {ns:.1} ns per {}, {units} in all",
-        if shape == "many_reads" {
-            "access"
-        } else {
-            "node"
+        match shape.as_str() {
+            "many_reads" => "access",
+            "tensor_op" => "op",
+            _ => "node",
         }
     );
     Ok(())
