@@ -369,6 +369,39 @@ pub(crate) trait Batches: Send + Sync {
     fn retire(&self) {}
 }
 
+/// When a barrier that hands out many nodes wakes a worker: for the first
+/// node, then one per [`WAKE_EVERY`] (the workers take the injector's nodes
+/// in batches, and a wake-up, a fence, per node was a tenth of the
+/// hand-out), and once more after the last if it came after the last
+/// wake-up. Without that last one, a barrier that handed out a multiple of
+/// 16 nodes could leave 15 in the injector while every worker slept, and
+/// wait for them forever.
+#[derive(Default)]
+struct WakeEvery {
+    published: usize,
+    woken_at: usize,
+}
+
+/// Nodes a barrier hands out per wake-up.
+const WAKE_EVERY: usize = 16;
+
+impl WakeEvery {
+    /// Notes a node published; whether to wake a worker for it now.
+    fn published(&mut self) -> bool {
+        self.published += 1;
+        let wake = (self.published - 1) % WAKE_EVERY == 0;
+        if wake {
+            self.woken_at = self.published;
+        }
+        wake
+    }
+
+    /// Whether one more wake-up is owed once the last node is published.
+    fn owed(&self) -> bool {
+        self.published > self.woken_at
+    }
+}
+
 /// Where threads wait for the number of live nodes to drop.
 struct Drained {
     lock: Mutex<()>,
@@ -1005,20 +1038,16 @@ impl Shared {
         }
         debug_assert!(self.global_demand.load(Ordering::SeqCst) > 0);
         // Onto the injector (the caller is not running a node of its own
-        // deque: a frontend, or a retiring drop), with a wake-up for the
-        // first node and then one per `WAKE_EVERY`: the workers take the
-        // injector's nodes in batches, and a wake-up (a fence) per node was
-        // a tenth of the hand-out.
-        const WAKE_EVERY: usize = 16;
-        let mut unwoken = 0;
+        // deque: a frontend, or a retiring drop), with wake-ups as
+        // `WakeEvery` says.
+        let mut wakes = WakeEvery::default();
         self.recorded.demand_all(&mut |r| {
             self.pool.publish_global(r);
-            if unwoken == 0 {
+            if wakes.published() {
                 self.pool.wake(1);
             }
-            unwoken = (unwoken + 1) % WAKE_EVERY;
         });
-        if unwoken > 1 {
+        if wakes.owed() {
             self.pool.wake(1);
         }
     }
@@ -1213,7 +1242,31 @@ impl Shared {
 
 #[cfg(test)]
 mod tests {
-    use super::{job, wants_notify, Job};
+    use super::{job, wants_notify, Job, WakeEvery, WAKE_EVERY};
+
+    /// Every node a barrier hands out is followed by a wake-up (its own or
+    /// the last one): a node published after the last wake-up can sit in the
+    /// injector while every worker sleeps, and the barrier waits for it
+    /// forever. One wake-up per `WAKE_EVERY` nodes, give or take two.
+    #[test]
+    fn every_node_a_barrier_hands_out_is_followed_by_a_wake_up() {
+        for n in 1..=5 * WAKE_EVERY + 3 {
+            let mut wakes = WakeEvery::default();
+            let (mut last_woken, mut count) = (None, 0);
+            for i in 0..n {
+                if wakes.published() {
+                    last_woken = Some(i);
+                    count += 1;
+                }
+            }
+            if wakes.owed() {
+                last_woken = Some(n - 1);
+                count += 1;
+            }
+            assert_eq!(last_woken, Some(n - 1), "{n} nodes handed out");
+            assert!(count <= n / WAKE_EVERY + 2, "{n} nodes: {count} wake-ups");
+        }
+    }
 
     #[test]
     fn a_barrier_is_woken_at_zero_and_a_stalled_frontend_at_the_low_mark() {
