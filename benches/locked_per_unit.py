@@ -31,12 +31,14 @@ import sys
 import tempfile
 
 
-def run(binary, shape, size, reps, out):
+def run(binary, shape, size, reps, out, only=None):
     cmd = [
         "valgrind", "--tool=callgrind", "--dump-instr=yes", "--compress-pos=no",
         "--compress-strings=no", f"--callgrind-out-file={out}",
-        binary, shape, str(size), str(reps),
     ]
+    if only:
+        cmd += ["--collect-atstart=no", f"--toggle-collect={only}"]
+    cmd += [binary, shape, str(size), str(reps)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     m = re.search(r"(\d+) in all", res.stdout)
     if not m:
@@ -113,13 +115,19 @@ def main():
     p.add_argument("size", type=int)
     p.add_argument("--binary", default="target/release/examples/node_cost")
     p.add_argument(
+        "--only", metavar="FUNCTION",
+        help="count only within calls of this function (callgrind's --toggle-collect,"
+        " wildcards allowed), e.g. '*Add for &lazyflow::tensor::Tensor>::add'"
+        " for the frontend's part of tensor_op",
+    )
+    p.add_argument(
         "--addresses", action="store_true",
         help="also list each locked instruction's address with its count per unit",
     )
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        u6 = run(a.binary, a.shape, a.size, 6, f"{d}/six")
-        u1 = run(a.binary, a.shape, a.size, 1, f"{d}/one")
+        u6 = run(a.binary, a.shape, a.size, 6, f"{d}/six", a.only)
+        u1 = run(a.binary, a.shape, a.size, 1, f"{d}/one", a.only)
         units = u6 - u1
         obj6, fn6, addr6 = locked(f"{d}/six")
         obj1, fn1, addr1 = locked(f"{d}/one")

@@ -389,7 +389,7 @@ impl WakeEvery {
     /// Notes a node published; whether to wake a worker for it now.
     fn published(&mut self) -> bool {
         self.published += 1;
-        let wake = (self.published - 1) % WAKE_EVERY == 0;
+        let wake = (self.published - 1).is_multiple_of(WAKE_EVERY);
         if wake {
             self.woken_at = self.published;
         }
