@@ -9,6 +9,7 @@
 use crate::engine::{Engine, Tracked, VarQueue};
 use crate::error::{Result, SharedError};
 use crate::sync::Ordering;
+use std::sync::atomic::AtomicUsize;
 // std, not `crate::sync`: handles are type-erased (`Arc<dyn KeepAlive>`), which
 // loom's Arc cannot do; the loom models do not involve Vars.
 use std::sync::Arc;
@@ -379,12 +380,18 @@ impl<T: Default> Write<T> {
 /// refer to the engine, which refers to this list).
 pub(crate) struct Spares<T> {
     list: std::sync::Mutex<(Vec<Spare<T>>, bool)>,
+    /// How many the list holds, written under its lock and read without it:
+    /// a recorder that finds none does not take the lock (two locked
+    /// instructions an op while the outputs die on the frontend, where no
+    /// spare is kept). Read Relaxed: a stale zero costs an allocation.
+    kept: AtomicUsize,
 }
 
 impl<T> Default for Spares<T> {
     fn default() -> Self {
         Spares {
             list: std::sync::Mutex::new((Vec::new(), false)),
+            kept: AtomicUsize::new(0),
         }
     }
 }
@@ -402,12 +409,16 @@ impl<T: Default + Send + Sync + 'static> Spares<T> {
     /// Moves the spares kept into `local`: a list of a recording thread's
     /// own, which [`Spare::var`] draws from without this list's lock.
     pub(crate) fn take_into(&self, local: &mut Vec<Spare<T>>) {
+        if self.kept.load(Ordering::Relaxed) == 0 {
+            return;
+        }
         let mut list = self.list();
         if local.is_empty() {
             std::mem::swap(&mut list.0, local);
         } else {
             local.append(&mut list.0);
         }
+        self.kept.store(0, Ordering::Relaxed);
     }
 
     /// Keeps `spares` (as many as fit; none once closed).
@@ -420,6 +431,7 @@ impl<T: Default + Send + Sync + 'static> Spares<T> {
             let room = Self::MOST.saturating_sub(list.0.len());
             let kept = spares.len().min(room);
             list.0.extend(spares.drain(..kept));
+            self.kept.store(list.0.len(), Ordering::Relaxed);
         }
         drop(list);
         drop(spares);
@@ -436,6 +448,7 @@ impl<T: Default + Send + Sync + 'static> Spares<T> {
         let all = {
             let mut list = self.list();
             list.1 = true;
+            self.kept.store(0, Ordering::Relaxed);
             std::mem::take(&mut list.0)
         };
         drop(all);
