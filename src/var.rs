@@ -55,6 +55,41 @@ impl<T> Drop for Var<T> {
                 .counters()
                 .tracked_vars
                 .fetch_sub(1, Ordering::Relaxed);
+            if self.inner.spares.is_some() {
+                self.keep_storage();
+            }
+        }
+    }
+}
+
+impl<T> Var<T> {
+    /// The last handle of a Var whose storage has a list of spares (an
+    /// output of the tensor layer's CPU ops) goes: if nothing else reaches
+    /// the storage (no token of a pending task), it is emptied and kept
+    /// there for the next output, instead of freed here and allocated
+    /// again (an allocation and the copy of a new storage were a fifth of
+    /// the instructions of recording an op, `record_tensor_op`).
+    #[cold]
+    fn keep_storage(&mut self) {
+        let Some(s) = Arc::get_mut(&mut self.inner) else {
+            return;
+        };
+        let Some(reset) = s.spares.as_ref().map(|sp| sp.reset) else {
+            return;
+        };
+        if s.value.is_poisoned() {
+            return;
+        }
+        reset(s.value.get_mut().unwrap_or_else(|p| p.into_inner()));
+        s.queue = VarQueue::new(None);
+        *s.version.get_mut() = 0;
+        s.engine
+            .counters()
+            .live_vars
+            .fetch_sub(1, Ordering::Relaxed);
+        let spare = Spare(Some(self.inner.clone()));
+        if let Some(spares) = &self.inner.spares {
+            spares.keep(spare);
         }
     }
 }
@@ -78,6 +113,9 @@ pub(crate) struct Storage<T> {
     /// `Var` handles alive (tokens not counted).
     handles: std::sync::atomic::AtomicUsize,
     value: RwLock<T>,
+    /// Where the storage is kept when its last handle goes and nothing else
+    /// reaches it (see [`Var::keep_storage`]); `None`: freed then.
+    spares: Option<Arc<Spares<T>>>,
 }
 
 impl<T: Send + Sync> Tracked for Storage<T> {
@@ -316,10 +354,16 @@ impl<T> Drop for Spare<T> {
 
 impl<T: Default + Send + Sync + 'static> Spare<T> {
     /// A new Var of `engine` holding `T::default()`, made in the last of
-    /// `local` (spares of `engine`) when there is one.
-    pub(crate) fn var(local: &mut Vec<Spare<T>>, engine: &Engine) -> Var<T> {
+    /// `local` (spares of `engine`) when there is one. With `keep`, its
+    /// storage goes to that list when its last handle goes and nothing else
+    /// reaches it (a storage made in a spare kept its list).
+    pub(crate) fn var(
+        local: &mut Vec<Spare<T>>,
+        engine: &Engine,
+        keep: Option<&Arc<Spares<T>>>,
+    ) -> Var<T> {
         let Some(storage) = local.pop().and_then(|mut s| s.0.take()) else {
-            return engine.var(T::default());
+            return engine.var_with_queue(VarQueue::new(None), T::default(), keep.cloned());
         };
         debug_assert!(storage.engine.same(engine), "spares are per engine");
         storage.handles.store(1, Ordering::Relaxed);
@@ -379,6 +423,8 @@ impl<T: Default> Write<T> {
 /// bytes each); [`Spares::close`] drops them and keeps no more (the storages
 /// refer to the engine, which refers to this list).
 pub(crate) struct Spares<T> {
+    /// Empties a value (to `T::default()`, set where that is known).
+    reset: fn(&mut T),
     list: std::sync::Mutex<(Vec<Spare<T>>, bool)>,
     /// How many the list holds, written under its lock and read without it:
     /// a recorder that finds none does not take the lock (two locked
@@ -387,16 +433,17 @@ pub(crate) struct Spares<T> {
     kept: AtomicUsize,
 }
 
-impl<T> Default for Spares<T> {
+impl<T: Default> Default for Spares<T> {
     fn default() -> Self {
         Spares {
+            reset: |v| *v = T::default(),
             list: std::sync::Mutex::new((Vec::new(), false)),
             kept: AtomicUsize::new(0),
         }
     }
 }
 
-impl<T: Default + Send + Sync + 'static> Spares<T> {
+impl<T> Spares<T> {
     /// The most spares kept: the default backpressure bound, so that the
     /// outputs of one bound's worth of ops, recorded before any ran, come
     /// back in full.
@@ -406,6 +453,20 @@ impl<T: Default + Send + Sync + 'static> Spares<T> {
         self.list.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Keeps one spare, if it fits (none once closed).
+    fn keep(&self, spare: Spare<T>) {
+        let mut list = self.list();
+        if !list.1 && list.0.len() < Self::MOST {
+            list.0.push(spare);
+            self.kept.store(list.0.len(), Ordering::Relaxed);
+            return;
+        }
+        drop(list);
+        drop(spare);
+    }
+}
+
+impl<T: Default + Send + Sync + 'static> Spares<T> {
     /// Moves the spares kept into `local`: a list of a recording thread's
     /// own, which [`Spare::var`] draws from without this list's lock.
     pub(crate) fn take_into(&self, local: &mut Vec<Spare<T>>) {
@@ -458,7 +519,7 @@ impl<T: Default + Send + Sync + 'static> Spares<T> {
 impl Engine {
     /// Puts `value` under this engine's management.
     pub fn var<T: Send + Sync + 'static>(&self, value: T) -> Var<T> {
-        self.var_with_queue(VarQueue::new(None), value)
+        self.var_with_queue(VarQueue::new(None), value, None)
     }
 
     pub(crate) fn poisoned_var<T: Send + Sync + 'static>(
@@ -466,10 +527,15 @@ impl Engine {
         value: T,
         err: SharedError,
     ) -> Var<T> {
-        self.var_with_queue(VarQueue::new(Some(err)), value)
+        self.var_with_queue(VarQueue::new(Some(err)), value, None)
     }
 
-    fn var_with_queue<T>(&self, queue: VarQueue, value: T) -> Var<T> {
+    fn var_with_queue<T>(
+        &self,
+        queue: VarQueue,
+        value: T,
+        spares: Option<Arc<Spares<T>>>,
+    ) -> Var<T> {
         let counters = self.counters();
         counters.tracked_vars.fetch_add(1, Ordering::Relaxed);
         counters.live_vars.fetch_add(1, Ordering::Relaxed);
@@ -480,6 +546,7 @@ impl Engine {
                 version: std::sync::atomic::AtomicU64::new(0),
                 handles: std::sync::atomic::AtomicUsize::new(1),
                 value: RwLock::new(value),
+                spares,
             }),
         }
     }

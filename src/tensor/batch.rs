@@ -321,7 +321,11 @@ impl DeviceBatch {
         if spares.is_empty() {
             self.spares.take_into(spares);
         }
-        let out = Spare::var(spares, engine);
+        // A CPU output's storage comes back to the spares when the frontend
+        // lets go of the last handle after its op ran (the workers give back
+        // those whose last token they hold).
+        let keep = matches!(self.backend, Backend::Cpu).then_some(&self.spares);
+        let out = Spare::var(spares, engine, keep);
         // The op joins the batch that computes one of its inputs (merging
         // them when several do), or starts a batch of its own: a batch holds
         // connected ops only, and a reader of one of its values waits for
@@ -762,6 +766,42 @@ mod tests {
         assert_eq!(z.to_vec().unwrap(), vec![302.0; 4]);
         let shared = Arc::downgrade(&e.shared);
         drop((x, y, z, e));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while shared.strong_count() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(shared.strong_count(), 0, "the engine's memory is freed");
+    }
+
+    /// A value whose op ran and whose last handle goes on the frontend
+    /// leaves its storage with the spares too, and the next output is made
+    /// in it; a value a pending op still reads is not kept then (its token
+    /// holds it), and the engine still ends with its last handle.
+    #[test]
+    fn values_let_go_of_on_the_frontend_after_their_ops_ran_are_kept() {
+        let e = Engine::builder()
+            .mode(Mode::Lazy)
+            .workers(2)
+            .build()
+            .unwrap();
+        let x = Tensor::ones_in(&e, [4]);
+        let outs: Vec<Tensor> = (0..50).map(|i| &x + i as f32).collect();
+        e.wait_all().unwrap();
+        let before = spares(&e);
+        let keys: std::collections::HashSet<usize> =
+            outs.iter().map(|t| t.var.queue().key()).collect();
+        drop(outs);
+        assert_eq!(spares(&e), before + 50);
+        let z = &x + 1.0;
+        assert!(keys.contains(&z.var.queue().key()), "made in a kept storage");
+        // Not run yet: `w`'s op holds a token of `z`.
+        let w = &z * 3.0;
+        let kept = spares(&e);
+        drop(z);
+        assert_eq!(spares(&e), kept, "a storage a pending op reads is not kept");
+        assert_eq!(w.to_vec().unwrap(), vec![6.0; 4]);
+        let shared = Arc::downgrade(&e.shared);
+        drop((x, w, e));
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while shared.strong_count() > 0 && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(5));
