@@ -11,8 +11,9 @@
 //! `size` is the nodes of `chain` and `wide`, the depth of `tree` (it has
 //! 2^(depth+1) nodes less 2), the tasks of `many_reads` (whose unit is a
 //! declared access, about 11.5 per task) and the ops of `tensor_op` (`&x + &y`
-//! on 4 elements, as `record_tensor_op` in the benchmark, whose results are
-//! kept until the barrier). Prints ns per unit and the units
+//! on 4 elements, as `record_tensor_op` in the benchmark: the results are let
+//! go of before the barrier, so the workers give their storages back for the
+//! next round's outputs). Prints ns per unit and the units
 //! run. Instructions per unit, leaving the setup out (the engine, the inputs):
 //! callgrind's count for 6 runs less its count for 1 run, divided by the units
 //! of 5 runs. `benches/locked_per_unit.py` counts the locked instructions
@@ -57,8 +58,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 )
             }
         };
-        e.wait_all()?;
         outs.clear();
+        e.wait_all()?;
     }
     let ns = start.elapsed().as_secs_f64() * 1e9 / units as f64;
     println!(
