@@ -133,6 +133,27 @@ fn seen_slot(key: usize) -> usize {
         as usize
 }
 
+/// A node a record conflicts with, as the walk of its Var queues meets it:
+/// still held by the queue (the last writer of a Var it only reads), or
+/// taken from it (the last writer and the readers of a Var it writes, which
+/// the new node replaces there). A taken reference moves into the node's
+/// dependencies: cloning it there and dropping it from the queue were two
+/// locked instructions per such dependency.
+enum Met<'a, J> {
+    Held(&'a NodeRef<J>),
+    Taken(NodeRef<J>),
+}
+
+impl<J> Met<'_, J> {
+    #[inline(always)]
+    fn key(&self) -> usize {
+        match self {
+            Met::Held(n) => n.key(),
+            Met::Taken(n) => n.key(),
+        }
+    }
+}
+
 /// Adds `d` to a node's dependencies, or marks the one at `found` (the same
 /// node) as read from when `reads`.
 #[inline(always)]
@@ -140,15 +161,18 @@ fn add_dep<J>(
     deps: &mut SmallVec<[NodeRef<J>; 2]>,
     links: &mut SmallVec<[Link<J>; 2]>,
     found: Option<usize>,
-    d: &NodeRef<J>,
+    d: Met<'_, J>,
     reads: bool,
 ) {
     let bit = if reads { READS } else { 0 };
     match found {
         Some(i) => links[i].key |= bit,
         None => {
-            deps.push(d.clone());
             links.push(Link::new(d.key() | bit));
+            deps.push(match d {
+                Met::Held(n) => n.clone(),
+                Met::Taken(n) => n,
+            });
         }
     }
 }
@@ -156,18 +180,26 @@ fn add_dep<J>(
 /// The walk of [`Node::fill`] over the locked queues of its accesses: `add`
 /// meets each unfinished node it conflicts with (and whether it reads what
 /// that node writes), `writes` gets the Vars it writes, and `skip` the poison
-/// of the first Var it reads that a failed node left behind.
+/// of the first Var it reads that a failed node left behind. The queues of
+/// the Vars it writes are left without a last writer and readers: the
+/// caller makes the node their last writer before it lets go of them.
 #[inline(always)]
 fn walk<J>(
     accesses: &[Access<'_, J>],
     guards: &mut [MutexGuard<'_, VarState<J>>],
     writes: &mut SmallVec<[usize; 2]>,
     skip: &mut Option<SharedError>,
-    mut add: impl FnMut(&NodeRef<J>, bool),
+    mut add: impl FnMut(Met<'_, J>, bool),
 ) {
     for (a, v) in accesses.iter().zip(guards.iter_mut()) {
         v.settle();
-        match &v.last_writer {
+        let v = &mut **v;
+        let writer = if a.write {
+            v.last_writer.take().map(Met::Taken)
+        } else {
+            v.last_writer.as_ref().map(Met::Held)
+        };
+        match writer {
             Some(w) => add(w, a.read),
             None => {
                 if a.read && skip.is_none() {
@@ -177,8 +209,15 @@ fn walk<J>(
         }
         if a.write {
             writes.push(a.var.key());
-            for r in v.readers.iter().filter(|r| !r.is_done()) {
-                add(r, false);
+            // Finished readers are let go of here, under the lock, as the
+            // queue's clearing did. (No drain of an empty list: most written
+            // Vars are new outputs.)
+            if !v.readers.is_empty() {
+                for r in v.readers.drain(..) {
+                    if !r.is_done() {
+                        add(Met::Taken(r), false);
+                    }
+                }
             }
         }
     }
