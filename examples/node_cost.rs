@@ -52,10 +52,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 size
             }
             other => {
-                return Err(
-                    format!("unknown shape {other:?}: chain, wide, tree, many_reads or tensor_op")
-                        .into(),
+                return Err(format!(
+                    "unknown shape {other:?}: chain, wide, tree, many_reads or tensor_op"
                 )
+                .into())
             }
         };
         outs.clear();

@@ -1218,11 +1218,7 @@ impl Shared {
 
     /// Runs `node` and completes it, then the dependents it releases for as long
     /// as the wait needs them (the rest go to the queues).
-    fn run_completing(
-        &self,
-        mut node: Ready,
-        allowed: &std::collections::HashMap<usize, NodeRef>,
-    ) {
+    fn run_completing(&self, mut node: Ready, allowed: &std::collections::HashMap<usize, NodeRef>) {
         loop {
             let Some(outcome) = execute(self, &node) else {
                 return;

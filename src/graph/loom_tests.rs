@@ -30,11 +30,7 @@ fn first_writer(x: &VarQueue<u32>) -> NodeRef<u32> {
 
 /// Records a reader of `x` whose job is `job`, counted in `handed` if it is
 /// ready at once (and then handed out with it).
-fn reader(
-    x: &VarQueue<u32>,
-    job: u32,
-    handed: &AtomicUsize,
-) -> (NodeRef<u32>, Option<Ready<u32>>) {
+fn reader(x: &VarQueue<u32>, job: u32, handed: &AtomicUsize) -> (NodeRef<u32>, Option<Ready<u32>>) {
     let (r, ready) = record(meta("r"), &mut access(x, true, false), |_| job, true, None);
     if ready.is_some() {
         handed.fetch_add(1, Ordering::SeqCst);

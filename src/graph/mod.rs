@@ -717,9 +717,7 @@ pub(crate) fn record<J>(
         .and_then(unique)
         .filter(|n| n.done.load(Ordering::Relaxed));
     // Made before any lock is taken: it may allocate.
-    let job = job(slot
-        .as_mut()
-        .and_then(|n| n.job.get_mut().take()));
+    let job = job(slot.as_mut().and_then(|n| n.job.get_mut().take()));
 
     // Address order, duplicates merged: every recorder locks shared Vars in the
     // same order, so two records that share Vars are serialized, never crossed.

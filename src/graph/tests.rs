@@ -25,7 +25,10 @@ fn rec(name: &'static str, reads: &[&Q], writes: &[&Q], job: u32) -> NodeRef<u32
         write: true,
     }));
     let (node, ready) = record(meta(name), &mut acc, |_| job, false, None);
-    assert!(ready.is_none(), "a Lazy node is not ready before it is demanded");
+    assert!(
+        ready.is_none(),
+        "a Lazy node is not ready before it is demanded"
+    );
     node
 }
 

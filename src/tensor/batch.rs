@@ -793,7 +793,10 @@ mod tests {
         drop(outs);
         assert_eq!(spares(&e), before + 50);
         let z = &x + 1.0;
-        assert!(keys.contains(&z.var.queue().key()), "made in a kept storage");
+        assert!(
+            keys.contains(&z.var.queue().key()),
+            "made in a kept storage"
+        );
         // Not run yet: `w`'s op holds a token of `z`.
         let w = &z * 3.0;
         let kept = spares(&e);
