@@ -67,8 +67,9 @@ impl<T> Var<T> {
     /// output of the tensor layer's CPU ops) goes: if nothing else reaches
     /// the storage (no token of a pending task), it is emptied and kept
     /// there for the next output, instead of freed here and allocated
-    /// again (an allocation and the copy of a new storage were a fifth of
-    /// the instructions of recording an op, `record_tensor_op`).
+    /// again (with outputs let go of after their ops ran, the allocation and
+    /// the copy of a new storage were a fifth of the frontend's
+    /// instructions per op).
     #[cold]
     fn keep_storage(&mut self) {
         let Some(s) = Arc::get_mut(&mut self.inner) else {
@@ -77,16 +78,9 @@ impl<T> Var<T> {
         let Some(reset) = s.spares.as_ref().map(|sp| sp.reset) else {
             return;
         };
-        if s.value.is_poisoned() {
+        if !empty(s, reset) {
             return;
         }
-        reset(s.value.get_mut().unwrap_or_else(|p| p.into_inner()));
-        s.queue = VarQueue::new(None);
-        *s.version.get_mut() = 0;
-        s.engine
-            .counters()
-            .live_vars
-            .fetch_sub(1, Ordering::Relaxed);
         let spare = Spare(Some(self.inner.clone()));
         if let Some(spares) = &self.inner.spares {
             spares.keep(spare);
@@ -379,14 +373,22 @@ impl<T: Default + Send + Sync + 'static> Spare<T> {
 /// here, on the calling thread.
 fn into_spare<T: Default>(mut storage: Arc<Storage<T>>) -> Option<Spare<T>> {
     let s = Arc::get_mut(&mut storage)?;
+    empty(s, |v| *v = T::default()).then(|| Spare(Some(storage)))
+}
+
+/// Empties the storage of a dead Var (no handle, nothing else reaches it)
+/// to make a new Var in, with `reset` for its value, and counts it out of
+/// the live Vars (a [`Spare`] is not counted). Refuses (false) a value
+/// poisoned by a panic.
+fn empty<T>(s: &mut Storage<T>, reset: impl FnOnce(&mut T)) -> bool {
     if s.value.is_poisoned() {
-        return None;
+        return false;
     }
     debug_assert!(
         !s.queue.is_held(),
         "a batch that names a Var holds a handle"
     );
-    *s.value.get_mut().unwrap_or_else(|p| p.into_inner()) = T::default();
+    reset(s.value.get_mut().unwrap_or_else(|p| p.into_inner()));
     s.queue = VarQueue::new(None);
     *s.version.get_mut() = 0;
     *s.handles.get_mut() = 0;
@@ -394,7 +396,7 @@ fn into_spare<T: Default>(mut storage: Arc<Storage<T>>) -> Option<Spare<T>> {
         .counters()
         .live_vars
         .fetch_sub(1, Ordering::Relaxed);
-    Some(Spare(Some(storage)))
+    true
 }
 
 impl<T: Default> Read<T> {
