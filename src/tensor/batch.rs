@@ -701,6 +701,25 @@ mod tests {
     use super::*;
     use crate::Mode;
 
+    /// A Lazy engine with 2 workers.
+    fn lazy() -> Engine {
+        Engine::builder()
+            .mode(Mode::Lazy)
+            .workers(2)
+            .build()
+            .unwrap()
+    }
+
+    /// The engine's memory is freed within 10 s of its last handle going
+    /// (its workers end first).
+    fn assert_freed(shared: &std::sync::Weak<crate::engine::Shared>) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while shared.strong_count() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(shared.strong_count(), 0, "the engine's memory is freed");
+    }
+
     fn spares(engine: &Engine) -> usize {
         let batches = DeviceBatch::cpu(engine).expect("the CPU batches");
         batches.spares.len() + lock(&batches.open).spares.len()
@@ -711,11 +730,7 @@ mod tests {
     /// again); the held ones are right.
     #[test]
     fn a_batch_node_names_only_the_values_still_held() {
-        let e = Engine::builder()
-            .mode(Mode::Lazy)
-            .workers(2)
-            .build()
-            .unwrap();
+        let e = lazy();
         let x = Tensor::ones_in(&e, [2]);
         let mut y = x.clone();
         let (mut keys, mut kept) = (Vec::new(), None);
@@ -746,11 +761,7 @@ mod tests {
     /// (the spares refer to it, and it to them, until it retires).
     #[test]
     fn dead_values_storages_are_reused_and_let_go_when_the_engine_ends() {
-        let e = Engine::builder()
-            .mode(Mode::Lazy)
-            .workers(2)
-            .build()
-            .unwrap();
+        let e = lazy();
         let x = Tensor::ones_in(&e, [4]);
         let mut y = x.clone();
         for _ in 0..300 {
@@ -766,11 +777,7 @@ mod tests {
         assert_eq!(z.to_vec().unwrap(), vec![302.0; 4]);
         let shared = Arc::downgrade(&e.shared);
         drop((x, y, z, e));
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while shared.strong_count() > 0 && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        assert_eq!(shared.strong_count(), 0, "the engine's memory is freed");
+        assert_freed(&shared);
     }
 
     /// A value whose op ran and whose last handle goes on the frontend
@@ -779,11 +786,7 @@ mod tests {
     /// holds it), and the engine still ends with its last handle.
     #[test]
     fn values_let_go_of_on_the_frontend_after_their_ops_ran_are_kept() {
-        let e = Engine::builder()
-            .mode(Mode::Lazy)
-            .workers(2)
-            .build()
-            .unwrap();
+        let e = lazy();
         let x = Tensor::ones_in(&e, [4]);
         let outs: Vec<Tensor> = (0..50).map(|i| &x + i as f32).collect();
         e.wait_all().unwrap();
@@ -805,10 +808,6 @@ mod tests {
         assert_eq!(w.to_vec().unwrap(), vec![6.0; 4]);
         let shared = Arc::downgrade(&e.shared);
         drop((x, w, e));
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while shared.strong_count() > 0 && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        assert_eq!(shared.strong_count(), 0, "the engine's memory is freed");
+        assert_freed(&shared);
     }
 }
