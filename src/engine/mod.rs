@@ -13,6 +13,10 @@
 
 mod builder;
 mod deadlock;
+// The engine's one `unsafe`: a spent job's box written over by the next
+// closure of the same layout (see `job.rs`).
+#[allow(unsafe_code)]
+mod job;
 mod life;
 mod registry;
 mod stats;
@@ -21,6 +25,7 @@ pub use builder::{
     EngineBuilder, Mode, DEFAULT_GPU_TIMEOUT, DEFAULT_HIGH_WATERMARK, DEFAULT_LOW_WATERMARK,
 };
 pub(crate) use deadlock::Borrow;
+pub(crate) use job::{deferred_job, job, Job};
 pub(crate) use stats::Counters;
 pub use stats::Stats;
 
@@ -34,65 +39,6 @@ use smallvec::SmallVec;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 use std::time::Duration;
-
-/// What a node does when it runs: `Err` fails it with the message. Boxed once
-/// and called through `&mut`, so that the box outlives the call: a node recorded
-/// later in the same memory (see `registry.rs`) puts its closure in the same box
-/// when it has the same type (the same call site), and allocates nothing.
-pub(crate) type Job = Box<dyn Body>;
-
-/// A job's closure in its box.
-pub(crate) trait Body: Send + 'static {
-    /// Takes the closure out and calls it (once; later calls do nothing).
-    fn call(&mut self) -> std::result::Result<(), String>;
-    /// Drops the closure without calling it (a skipped node).
-    fn clear(&mut self);
-    fn as_any(&mut self) -> &mut dyn std::any::Any;
-    /// Whether the job finishes later, through a [`Completion`] (see
-    /// [`Body::start`]), instead of when `call` returns.
-    fn deferred(&self) -> bool {
-        false
-    }
-    /// Starts a deferred job: it completes its node through `done`, on any
-    /// thread (only called when [`Body::deferred`] is true).
-    fn start(&mut self, done: Completion) {
-        drop(done);
-    }
-}
-
-struct DeferredSlot<F>(Option<F>);
-
-impl<F: FnOnce(Completion) + Send + 'static> Body for DeferredSlot<F> {
-    fn call(&mut self) -> std::result::Result<(), String> {
-        Err("a deferred task was called without its completion".into())
-    }
-
-    fn clear(&mut self) {
-        self.0 = None;
-    }
-
-    fn as_any(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
-
-    fn deferred(&self) -> bool {
-        true
-    }
-
-    fn start(&mut self, done: Completion) {
-        if let Some(f) = self.0.take() {
-            f(done);
-        }
-    }
-}
-
-/// Boxes `f` as a deferred job (it finishes through its [`Completion`]).
-pub(crate) fn deferred_job<F>(f: F) -> Job
-where
-    F: FnOnce(Completion) + Send + 'static,
-{
-    Box::new(DeferredSlot(Some(f)))
-}
 
 /// The end of a task that finishes after its closure returned (MXNet's
 /// asynchronous functions): the task's node stays unfinished, and the Vars it
@@ -165,38 +111,6 @@ impl Drop for Completion {
     }
 }
 
-struct Slot<F>(Option<F>);
-
-impl<F: FnOnce() -> std::result::Result<(), String> + Send + 'static> Body for Slot<F> {
-    fn call(&mut self) -> std::result::Result<(), String> {
-        match self.0.take() {
-            Some(f) => f(),
-            None => Ok(()),
-        }
-    }
-
-    fn clear(&mut self) {
-        self.0 = None;
-    }
-
-    fn as_any(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
-}
-
-/// Boxes `f` as a job, in `spent`'s box if that held a closure of the same type.
-pub(crate) fn job<F>(f: F, spent: Option<Job>) -> Job
-where
-    F: FnOnce() -> std::result::Result<(), String> + Send + 'static,
-{
-    if let Some(mut b) = spent {
-        if let Some(slot) = b.as_any().downcast_mut::<Slot<F>>() {
-            slot.0 = Some(f);
-            return b;
-        }
-    }
-    Box::new(Slot(Some(f)))
-}
 /// A node of this engine's graph.
 pub(crate) type NodeRef = graph::NodeRef<Job>;
 /// A node of this engine's graph, handed out to run.
@@ -1238,7 +1152,7 @@ impl Shared {
 
 #[cfg(test)]
 mod tests {
-    use super::{job, wants_notify, Job, WakeEvery, WAKE_EVERY};
+    use super::{wants_notify, WakeEvery, WAKE_EVERY};
 
     /// Every node a barrier hands out is followed by a wake-up (its own or
     /// the last one): a node published after the last wake-up can sit in the
@@ -1279,45 +1193,4 @@ mod tests {
         assert!(!wants_notify(0, 100, 0, 0));
     }
 
-    fn addr(j: &Job) -> *const () {
-        &**j as *const dyn super::Body as *const ()
-    }
-
-    fn counting(hits: &std::sync::Arc<std::sync::atomic::AtomicU32>) -> Job {
-        let h = hits.clone();
-        job(
-            move || {
-                h.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                Ok(())
-            },
-            None,
-        )
-    }
-
-    #[test]
-    fn a_spent_job_box_holds_the_next_closure_of_its_type() {
-        let make = |n: u32, spent: Option<Job>| job(move || Err(format!("{n}")), spent);
-        let mut first = make(1, None);
-        assert_eq!(first.call(), Err("1".to_string()));
-        // Called once: the closure is gone.
-        assert_eq!(first.call(), Ok(()));
-        let at = addr(&first);
-        let mut second = make(2, Some(first));
-        assert_eq!(addr(&second), at, "same type: same box");
-        assert_eq!(second.call(), Err("2".to_string()));
-        // Another closure type gets a box of its own (the spent one is freed).
-        let mut third = job(|| Err("3".to_string()), Some(second));
-        assert_eq!(third.call(), Err("3".to_string()));
-    }
-
-    #[test]
-    fn a_cleared_job_drops_its_closure_uncalled() {
-        let hits = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-        let mut j = counting(&hits);
-        assert_eq!(std::sync::Arc::strong_count(&hits), 2);
-        j.clear();
-        assert_eq!(std::sync::Arc::strong_count(&hits), 1, "captures dropped");
-        assert_eq!(j.call(), Ok(()));
-        assert_eq!(hits.load(std::sync::atomic::Ordering::Relaxed), 0);
-    }
 }
