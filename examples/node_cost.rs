@@ -4,11 +4,11 @@
 //! callgrind, or to time one shape alone.
 //!
 //! ```text
-//! cargo run --release --example node_cost -- <chain|wide|tree|many_reads|tensor_op> [size] [reps]
+//! cargo run --release --example node_cost -- <chain|wide|tree|random_dag|many_reads|tensor_op> [size] [reps]
 //! valgrind --tool=callgrind target/release/examples/node_cost chain 200000 5
 //! ```
 //!
-//! `size` is the nodes of `chain` and `wide`, the depth of `tree` (it has
+//! `size` is the nodes of `chain`, `wide` and `random_dag`, the depth of `tree` (it has
 //! 2^(depth+1) nodes less 2), the tasks of `many_reads` (whose unit is a
 //! declared access, about 11.5 per task) and the ops of `tensor_op` (`&x + &y`
 //! on 4 elements, as `record_tensor_op` in the benchmark: the results are let
@@ -21,7 +21,7 @@
 
 mod demos;
 
-use demos::shapes::{chain, many_reads, many_reads_inputs, tree, wide};
+use demos::shapes::{chain, many_reads, many_reads_inputs, random_dag, random_inputs, tree, wide};
 use lazyflow::{Engine, Mode, Tensor, Var};
 use std::time::Instant;
 
@@ -36,6 +36,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     } else {
         Vec::new()
     };
+    let inputs = if shape == "random_dag" {
+        random_inputs(size)
+    } else {
+        Vec::new()
+    };
     let vars: Vec<Var<u64>> = (0..100).map(|_| e.var(0u64)).collect();
     let (x, y) = (Tensor::ones_in(&e, [4]), Tensor::ones_in(&e, [4]));
     let mut outs = Vec::with_capacity(if shape == "tensor_op" { size } else { 0 });
@@ -46,17 +51,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "chain" => chain(&e, size),
             "wide" => wide(&e, size, || {}),
             "tree" => tree(&e, size as u32),
+            "random_dag" => random_dag(&e, &inputs, || {}),
             "many_reads" => many_reads(&e, &vars, &plan),
             "tensor_op" => {
                 outs.extend((0..size).map(|_| &x + &y));
                 size
             }
-            other => {
-                return Err(format!(
-                    "unknown shape {other:?}: chain, wide, tree, many_reads or tensor_op"
-                )
-                .into())
-            }
+            other => return Err(format!(
+                "unknown shape {other:?}: chain, wide, tree, random_dag, many_reads or tensor_op"
+            )
+            .into()),
         };
         outs.clear();
         e.wait_all()?;

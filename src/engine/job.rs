@@ -189,7 +189,11 @@ mod tests {
             Some(unrun),
         );
         assert_eq!(addr(&third), at);
-        assert_eq!(std::sync::Arc::strong_count(&hits), 2, "the unrun one's dropped");
+        assert_eq!(
+            std::sync::Arc::strong_count(&hits),
+            2,
+            "the unrun one's dropped"
+        );
         assert_eq!(third.call(), Ok(()));
         assert_eq!(hits.load(std::sync::atomic::Ordering::Relaxed), 111);
         assert_eq!(std::sync::Arc::strong_count(&hits), 1);
@@ -204,4 +208,5 @@ mod tests {
         assert_eq!(std::sync::Arc::strong_count(&hits), 1, "captures dropped");
         assert_eq!(j.call(), Ok(()));
         assert_eq!(hits.load(std::sync::atomic::Ordering::Relaxed), 0);
-    }}
+    }
+}

@@ -875,7 +875,8 @@ impl Shared {
         // holds anyway: a locked add of its own cost about 8 ns a node on
         // some machines.
         shard.count(weight);
-        let (node, ready) = graph::record(meta, accesses, job, !lazy, shard.take());
+        let (node, ready) =
+            graph::record(meta, accesses, job, !lazy, self.recorded.take(&mut shard));
         if let Some(ready) = ready {
             self.pool.publish(ready);
             self.pool.wake(1);
@@ -1192,5 +1193,4 @@ mod tests {
         // Nobody waiting: nobody to wake.
         assert!(!wants_notify(0, 100, 0, 0));
     }
-
 }

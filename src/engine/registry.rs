@@ -46,6 +46,7 @@
 
 use super::NodeRef;
 use crate::sync::{lock, Mutex, MutexGuard};
+use crossbeam_deque::{Injector, Steal};
 use crossbeam_utils::CachePadded;
 use std::collections::VecDeque;
 
@@ -57,6 +58,8 @@ const PRUNE_MIN: usize = 64;
 pub(super) const KEEP: usize = 256;
 /// Nodes a record looks at for a spare.
 const SCAN: usize = 2;
+/// Nodes given back by Vars kept for the next records, at most.
+const RETURNED: usize = 16_384;
 
 pub(super) struct Shard {
     /// Nodes recorded into this shard, oldest first: every unfinished one,
@@ -143,6 +146,9 @@ impl Shard {
 
 pub(crate) struct Registry {
     shards: [CachePadded<Mutex<Shard>>; SHARDS],
+    /// Finished nodes whose last reference a Var that went away held, on
+    /// any thread (see [`Registry::give_back`]), for the next records.
+    returned: Injector<NodeRef>,
 }
 
 impl Default for Registry {
@@ -156,6 +162,7 @@ impl Default for Registry {
                     recorded: 0,
                 }))
             }),
+            returned: Injector::new(),
         }
     }
 }
@@ -174,6 +181,34 @@ impl Registry {
     #[inline]
     pub(super) fn mine(&self) -> MutexGuard<'_, Shard> {
         lock(&self.shards[my_shard()])
+    }
+
+    /// A finished node to record the next one in: from `shard` (see
+    /// [`Shard::take`]), or one a Var gave back.
+    #[inline]
+    pub(super) fn take(&self, shard: &mut Shard) -> Option<NodeRef> {
+        if let Some(n) = shard.take() {
+            return Some(n);
+        }
+        match self.returned.steal() {
+            Steal::Success(n) => Some(n),
+            Steal::Empty | Steal::Retry => None,
+        }
+    }
+
+    /// Keeps, for the next records, the nodes among `nodes` of which these
+    /// are the last references and that finished: a Var that goes away
+    /// (its queue's last writer and readers). A node that left its shard's
+    /// list while the Var still held it would be freed here, wherever the
+    /// Var goes, and the next record would allocate: `tree` and
+    /// `random_dag` in `benches/scheduler.rs`, whose Vars live for several
+    /// records, allocated most of their nodes.
+    pub(crate) fn give_back(&self, nodes: impl Iterator<Item = NodeRef>) {
+        for n in nodes {
+            if reusable(&n) && self.returned.len() < RETURNED {
+                self.returned.push(n);
+            }
+        }
     }
 
     /// Demands every node listed (Lazy mode), shard by shard under that
@@ -196,10 +231,15 @@ impl Registry {
     }
 
     /// Drops the finished nodes of every shard, keeping at most `keep`
-    /// spares in each.
+    /// spares in each, and at most `keep` nodes given back.
     pub(super) fn prune(&self, keep: usize) {
         for shard in &self.shards {
             lock(shard).prune(keep);
+        }
+        while self.returned.len() > keep {
+            if self.returned.steal().is_empty() {
+                break;
+            }
         }
     }
 

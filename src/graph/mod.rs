@@ -654,6 +654,14 @@ impl<J> VarQueue<J> {
         out
     }
 
+    /// Takes the nodes the queue holds (its last writer and its readers),
+    /// for a Var that is going away: they may be the last references to
+    /// them (see `engine/registry.rs`).
+    pub(crate) fn drain(&mut self) -> impl Iterator<Item = NodeRef<J>> + '_ {
+        let v = get_mut(&mut self.inner);
+        v.last_writer.take().into_iter().chain(v.readers.drain(..))
+    }
+
     /// The failure that poisons the value, as of the writes finished so far.
     pub(crate) fn poison(&self) -> Option<SharedError> {
         let mut v = lock(&self.inner);
