@@ -57,10 +57,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 outs.extend((0..size).map(|_| &x + &y));
                 size
             }
-            other => return Err(format!(
+            other => {
+                return Err(format!(
                 "unknown shape {other:?}: chain, wide, tree, random_dag, many_reads or tensor_op"
             )
-            .into()),
+                .into())
+            }
         };
         outs.clear();
         e.wait_all()?;

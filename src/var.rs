@@ -229,7 +229,6 @@ impl<T> std::ops::DerefMut for WriteGuard<'_, T> {
 
 impl<T> Drop for Storage<T> {
     fn drop(&mut self) {
-        self.engine.shared().recorded.give_back(self.queue.drain());
         self.engine
             .counters()
             .live_vars
@@ -390,7 +389,6 @@ fn empty<T>(s: &mut Storage<T>, reset: impl FnOnce(&mut T)) -> bool {
         "a batch that names a Var holds a handle"
     );
     reset(s.value.get_mut().unwrap_or_else(|p| p.into_inner()));
-    s.engine.shared().recorded.give_back(s.queue.drain());
     s.queue = VarQueue::new(None);
     *s.version.get_mut() = 0;
     *s.handles.get_mut() = 0;

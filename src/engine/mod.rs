@@ -875,8 +875,14 @@ impl Shared {
         // holds anyway: a locked add of its own cost about 8 ns a node on
         // some machines.
         shard.count(weight);
-        let (node, ready) =
-            graph::record(meta, accesses, job, !lazy, self.recorded.take(&mut shard));
+        let (node, ready) = graph::record(
+            meta,
+            accesses,
+            job,
+            !lazy,
+            self.recorded.take(&mut shard),
+            Some(&registry::NODES),
+        );
         if let Some(ready) = ready {
             self.pool.publish(ready);
             self.pool.wake(1);

@@ -44,9 +44,9 @@
 //! `benches/scheduler.rs` took 670-790 ns per node against 440-480, and
 //! `record_tensor_op` 250-350 ns per op against 215-250.
 
-use super::NodeRef;
+use super::{Job, NodeRef};
+use crate::graph::NodePool;
 use crate::sync::{lock, Mutex, MutexGuard};
-use crossbeam_deque::{Injector, Steal};
 use crossbeam_utils::CachePadded;
 use std::collections::VecDeque;
 
@@ -58,8 +58,6 @@ const PRUNE_MIN: usize = 64;
 pub(super) const KEEP: usize = 256;
 /// Nodes a record looks at for a spare.
 const SCAN: usize = 2;
-/// Nodes given back by Vars kept for the next records, at most.
-const RETURNED: usize = 16_384;
 
 pub(super) struct Shard {
     /// Nodes recorded into this shard, oldest first: every unfinished one,
@@ -76,7 +74,7 @@ pub(super) struct Shard {
 /// Whether only the list refers to `n` and it finished: its memory may be
 /// reused.
 fn reusable(n: &NodeRef) -> bool {
-    crate::sync::Arc::strong_count(n) == 1 && n.is_done()
+    NodeRef::strong_count(n) == 1 && n.is_done()
 }
 
 impl Shard {
@@ -127,7 +125,7 @@ impl Shard {
             if !n.is_done() {
                 nodes.swap(stay, i);
                 stay += 1;
-            } else if self.spares.len() < keep && crate::sync::Arc::strong_count(n) == 1 {
+            } else if self.spares.len() < keep && NodeRef::strong_count(n) == 1 {
                 self.spares.push(n.clone());
             }
         }
@@ -144,11 +142,16 @@ impl Shard {
     }
 }
 
+/// Where a finished node goes when its last reference goes elsewhere than
+/// a shard (see `graph/node_ref.rs`): a node that left its shard's list
+/// while something else held it (the last writer of a live Var, a
+/// dependent's list of dependencies) would be freed there, wherever that
+/// is, and the next record allocate. One for every engine, as Taskflow's
+/// pool of nodes: a node's memory is not an engine's.
+pub(super) static NODES: NodePool<Job> = NodePool::new();
+
 pub(crate) struct Registry {
     shards: [CachePadded<Mutex<Shard>>; SHARDS],
-    /// Finished nodes whose last reference a Var that went away held, on
-    /// any thread (see [`Registry::give_back`]), for the next records.
-    returned: Injector<NodeRef>,
 }
 
 impl Default for Registry {
@@ -162,7 +165,6 @@ impl Default for Registry {
                     recorded: 0,
                 }))
             }),
-            returned: Injector::new(),
         }
     }
 }
@@ -184,31 +186,19 @@ impl Registry {
     }
 
     /// A finished node to record the next one in: from `shard` (see
-    /// [`Shard::take`]), or one a Var gave back.
+    /// [`Shard::take`]), else from [`NODES`], whose nodes all move to the
+    /// shard's spares.
     #[inline]
     pub(super) fn take(&self, shard: &mut Shard) -> Option<NodeRef> {
         if let Some(n) = shard.take() {
             return Some(n);
         }
-        match self.returned.steal() {
-            Steal::Success(n) => Some(n),
-            Steal::Empty | Steal::Retry => None,
-        }
-    }
-
-    /// Keeps, for the next records, the nodes among `nodes` of which these
-    /// are the last references and that finished: a Var that goes away
-    /// (its queue's last writer and readers). A node that left its shard's
-    /// list while the Var still held it would be freed here, wherever the
-    /// Var goes, and the next record would allocate: `tree` and
-    /// `random_dag` in `benches/scheduler.rs`, whose Vars live for several
-    /// records, allocated most of their nodes.
-    pub(crate) fn give_back(&self, nodes: impl Iterator<Item = NodeRef>) {
-        for n in nodes {
-            if reusable(&n) && self.returned.len() < RETURNED {
-                self.returned.push(n);
-            }
-        }
+        // `take` found no spares: they are empty. The stack comes newest
+        // first, and spares are taken from the back: turned around, so that
+        // the node let go of last, the likeliest still in cache, goes first.
+        shard.spares.extend(NODES.take_all());
+        shard.spares.reverse();
+        shard.spares.pop()
     }
 
     /// Demands every node listed (Lazy mode), shard by shard under that
@@ -231,16 +221,13 @@ impl Registry {
     }
 
     /// Drops the finished nodes of every shard, keeping at most `keep`
-    /// spares in each, and at most `keep` nodes given back.
+    /// spares in each, and frees the nodes of [`NODES`].
     pub(super) fn prune(&self, keep: usize) {
         for shard in &self.shards {
             lock(shard).prune(keep);
         }
-        while self.returned.len() > keep {
-            if self.returned.steal().is_empty() {
-                break;
-            }
-        }
+        // The spares dropped went to the pool: freed with the rest of it.
+        drop(NODES.take_all());
     }
 
     /// Ops recorded so far, over every shard (each read under its lock).
@@ -310,7 +297,7 @@ mod tests {
         let b = record(&e, &x);
         assert_eq!(b.key(), a_at);
         // The barrier let go of `held`: only the handle refers to it now.
-        assert_eq!(crate::sync::Arc::strong_count(&held), 1);
+        assert_eq!(NodeRef::strong_count(&held), 1);
         e.wait_all().unwrap();
         assert!(last.is_done() && b.is_done());
     }

@@ -23,7 +23,14 @@ fn access(var: &VarQueue<u32>, read: bool, write: bool) -> Accesses<'_, u32> {
 
 /// Records a writer of `x`, the first access to it: ready at once.
 fn first_writer(x: &VarQueue<u32>) -> NodeRef<u32> {
-    let (w, ready) = record(meta("w"), &mut access(x, false, true), |_| 1, true, None);
+    let (w, ready) = record(
+        meta("w"),
+        &mut access(x, false, true),
+        |_| 1,
+        true,
+        None,
+        None,
+    );
     assert!(ready.is_some());
     w
 }
@@ -31,7 +38,14 @@ fn first_writer(x: &VarQueue<u32>) -> NodeRef<u32> {
 /// Records a reader of `x` whose job is `job`, counted in `handed` if it is
 /// ready at once (and then handed out with it).
 fn reader(x: &VarQueue<u32>, job: u32, handed: &AtomicUsize) -> (NodeRef<u32>, Option<Ready<u32>>) {
-    let (r, ready) = record(meta("r"), &mut access(x, true, false), |_| job, true, None);
+    let (r, ready) = record(
+        meta("r"),
+        &mut access(x, true, false),
+        |_| job,
+        true,
+        None,
+        None,
+    );
     if ready.is_some() {
         handed.fetch_add(1, Ordering::SeqCst);
     }
@@ -44,8 +58,22 @@ fn reader(x: &VarQueue<u32>, job: u32, handed: &AtomicUsize) -> (NodeRef<u32>, O
 fn the_dependency_count_hands_a_node_out_once() {
     loom::model(|| {
         let (x, y) = (VarQueue::<u32>::default(), VarQueue::<u32>::default());
-        let (a, ready_a) = record(meta("a"), &mut access(&x, false, true), |_| 1, true, None);
-        let (b, ready_b) = record(meta("b"), &mut access(&y, false, true), |_| 2, true, None);
+        let (a, ready_a) = record(
+            meta("a"),
+            &mut access(&x, false, true),
+            |_| 1,
+            true,
+            None,
+            None,
+        );
+        let (b, ready_b) = record(
+            meta("b"),
+            &mut access(&y, false, true),
+            |_| 2,
+            true,
+            None,
+            None,
+        );
         assert!(ready_a.is_some() && ready_b.is_some());
         let mut both = access(&x, true, false);
         both.push(Access {
@@ -53,7 +81,7 @@ fn the_dependency_count_hands_a_node_out_once() {
             read: true,
             write: false,
         });
-        let (c, ready_c) = record(meta("c"), &mut both, |_| 3, true, None);
+        let (c, ready_c) = record(meta("c"), &mut both, |_| 3, true, None, None);
         assert!(ready_c.is_none());
         let handed = Arc::new(AtomicUsize::new(0));
         let (a2, h2) = (a.clone(), handed.clone());
@@ -93,7 +121,7 @@ fn a_record_racing_with_a_failing_writer_is_released_once_and_skipped() {
         let released = t.join().unwrap();
         assert_eq!(handed.load(Ordering::SeqCst), 1);
         let handed_out = released.or(at_record).expect("counted once above");
-        assert!(Arc::ptr_eq(&handed_out, &r));
+        assert!(NodeRef::ptr_eq(&handed_out, &r));
         let (_, skip) = handed_out.take_job().unwrap();
         assert!(skip.is_some(), "the reader of a failed write is skipped");
     });
@@ -149,7 +177,7 @@ fn crossed_records_never_wire_a_cycle() {
                 read: false,
                 write: true,
             });
-            record(meta("n1"), &mut a, |_| 1, true, None)
+            record(meta("n1"), &mut a, |_| 1, true, None, None)
         });
         let mut a = access(&y, true, false);
         a.push(Access {
@@ -157,7 +185,7 @@ fn crossed_records_never_wire_a_cycle() {
             read: false,
             write: true,
         });
-        let (n2, ready2) = record(meta("n2"), &mut a, |_| 2, true, None);
+        let (n2, ready2) = record(meta("n2"), &mut a, |_| 2, true, None, None);
         let (n1, ready1) = t.join().unwrap();
         // Exactly one is ready; completing it releases the other.
         assert!(ready1.is_some() ^ ready2.is_some());
@@ -165,7 +193,7 @@ fn crossed_records_never_wire_a_cycle() {
         let mut released = Vec::new();
         complete(&first, Outcome::Done).wake(&mut |r| released.push(r));
         assert_eq!(released.len(), 1);
-        assert!(Arc::ptr_eq(&released[0], &second));
+        assert!(NodeRef::ptr_eq(&released[0], &second));
     });
 }
 
@@ -176,7 +204,14 @@ fn crossed_records_never_wire_a_cycle() {
 fn the_blocker_latch_is_never_missed() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (n, _) = record(meta("n"), &mut access(&x, false, true), |_| 1, true, None);
+        let (n, _) = record(
+            meta("n"),
+            &mut access(&x, false, true),
+            |_| 1,
+            true,
+            None,
+            None,
+        );
         let n2 = n.clone();
         let t = loom::thread::spawn(move || {
             complete(&n2, Outcome::Done).wake(&mut |_| {});
@@ -196,9 +231,23 @@ fn the_blocker_latch_is_never_missed() {
 fn demand_racing_with_completion_hands_out_once() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (w, ready) = record(meta("w"), &mut access(&x, false, true), |_| 1, true, None);
+        let (w, ready) = record(
+            meta("w"),
+            &mut access(&x, false, true),
+            |_| 1,
+            true,
+            None,
+            None,
+        );
         assert!(ready.is_some());
-        let (r, ready) = record(meta("r"), &mut access(&x, true, false), |_| 2, false, None);
+        let (r, ready) = record(
+            meta("r"),
+            &mut access(&x, true, false),
+            |_| 2,
+            false,
+            None,
+            None,
+        );
         assert!(ready.is_none());
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
@@ -222,7 +271,14 @@ fn demand_racing_with_completion_hands_out_once() {
 fn a_node_is_recorded_into_only_once_finished_and_let_go() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (n, ready) = record(meta("n"), &mut access(&x, false, true), |_| 1, true, None);
+        let (n, ready) = record(
+            meta("n"),
+            &mut access(&x, false, true),
+            |_| 1,
+            true,
+            None,
+            None,
+        );
         // Dropping the Var lets go of its reference (as its last writer): the
         // worker's and the recorder's are the only ones left.
         drop(x);
@@ -245,6 +301,7 @@ fn a_node_is_recorded_into_only_once_finished_and_let_go() {
             },
             true,
             Some(n),
+            None,
         );
         let ready = ready.expect("a first write, demanded: ready");
         assert!(!m.is_done());

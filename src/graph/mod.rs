@@ -36,16 +36,15 @@ mod analysis;
 
 use crate::error::{Error, Location, SharedError};
 use crate::sync::{
-    fence_seq_cst, get_mut, lock, Arc, AtomicBool, AtomicPtr, AtomicU32, Condvar, Mutex,
-    MutexGuard, Ordering, UnsafeCell,
+    fence_seq_cst, get_mut, lock, Arc, AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Condvar,
+    Mutex, MutexGuard, Ordering, UnsafeCell,
 };
 use smallvec::SmallVec;
 
 pub(crate) use analysis::to_dot;
 
-/// A node, shared by whoever must reach it: the Var queues, its dependencies'
-/// dependent lists, the queues of the pool, blockers and task handles.
-pub(crate) type NodeRef<J> = Arc<Node<J>>;
+mod node_ref;
+pub(crate) use node_ref::{NodePool, NodeRef};
 
 /// What a node is, for errors, traces and DOT export.
 #[derive(Clone, Copy, Debug)]
@@ -311,7 +310,24 @@ pub(crate) struct Node<J> {
     /// taken).
     links: SmallVec<[Link<J>; 2]>,
     state: Mutex<State<J>>,
+    /// References to the node (see [`NodeRef`]).
+    refs: AtomicUsize,
+    /// The pool the node goes back to when its last reference goes, if it
+    /// finished (see `node_ref.rs`).
+    home: Home<J>,
+    /// The next node in its pool's stack, while it is in one.
+    pool_next: std::sync::atomic::AtomicPtr<Node<J>>,
 }
+
+/// The pool a node goes back to: a `static`'s address, or none.
+#[derive(Clone, Copy)]
+struct Home<J>(Option<std::ptr::NonNull<NodePool<J>>>);
+
+// SAFETY: the address of a `static` (`NodePool` is `Sync`: an atomic
+// pointer), reached from any thread.
+unsafe impl<J> Send for Home<J> {}
+// SAFETY: as above.
+unsafe impl<J> Sync for Home<J> {}
 
 struct State<J> {
     /// The failure of an input: the node is skipped instead of run.
@@ -328,7 +344,7 @@ struct State<J> {
 
 impl<J> Node<J> {
     /// A node with no job, as if finished: [`Node::fill`] makes it a new one.
-    fn blank(meta: NodeMeta) -> Self {
+    fn blank(meta: NodeMeta, home: Option<&'static NodePool<J>>) -> Self {
         Node {
             meta,
             pending: AtomicU32::new(0),
@@ -347,6 +363,9 @@ impl<J> Node<J> {
                 deps: SmallVec::new(),
                 waiters: SmallVec::new(),
             }),
+            refs: AtomicUsize::new(0),
+            home: Home(home.map(std::ptr::NonNull::from)),
+            pool_next: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
         }
     }
 
@@ -654,14 +673,6 @@ impl<J> VarQueue<J> {
         out
     }
 
-    /// Takes the nodes the queue holds (its last writer and its readers),
-    /// for a Var that is going away: they may be the last references to
-    /// them (see `engine/registry.rs`).
-    pub(crate) fn drain(&mut self) -> impl Iterator<Item = NodeRef<J>> + '_ {
-        let v = get_mut(&mut self.inner);
-        v.last_writer.take().into_iter().chain(v.readers.drain(..))
-    }
-
     /// The failure that poisons the value, as of the writes finished so far.
     pub(crate) fn poison(&self) -> Option<SharedError> {
         let mut v = lock(&self.inner);
@@ -716,6 +727,7 @@ pub(crate) fn record<J>(
     job: impl FnOnce(Option<J>) -> J,
     demanded: bool,
     spare: Option<NodeRef<J>>,
+    home: Option<&'static NodePool<J>>,
 ) -> (NodeRef<J>, Option<Ready<J>>) {
     // The one check that the spare is ours: `unique` proves nobody else can
     // reach it, and the reference it gives is held until the node is filled.
@@ -760,9 +772,9 @@ pub(crate) fn record<J>(
             spare.expect("matched above")
         }
         None => {
-            let mut fresh = Node::blank(meta);
+            let mut fresh = Node::blank(meta, home);
             fresh.fill(meta, job, hold, accesses, &mut guards, most_deps);
-            Arc::new(fresh)
+            NodeRef::new(fresh)
         }
     };
     for (a, v) in accesses.iter().zip(guards.iter_mut()) {
@@ -787,7 +799,7 @@ pub(crate) fn record<J>(
     // its lists by one strong count, taken before its first link joins one.
     // A demand that reaches the node meanwhile sees every dependency: they
     // were fixed before its Vars' queues let go.
-    let me = Arc::as_ptr(&node).cast_mut();
+    let me = NodeRef::as_ptr(&node).cast_mut();
     let mut released = RECORDING;
     let mut skip = None;
     let mut linked = false;
@@ -806,7 +818,7 @@ pub(crate) fn record<J>(
                 break;
             }
             if !linked {
-                let _count = Arc::into_raw(node.clone());
+                let _count = NodeRef::into_raw(node.clone());
                 node.linked.store(true, Ordering::Relaxed);
                 linked = true;
             }
@@ -836,30 +848,16 @@ pub(crate) fn record<J>(
     (node, None)
 }
 
-/// The node behind `n` if `n` is its only reference: [`Arc::get_mut`]
-/// without the locked compare-and-swap by which it shuts out `Weak`
-/// upgrades (no `Weak` of a node is ever made), about 8 ns a record on some
-/// machines.
-#[cfg(not(loom))]
+/// The node behind `n` if `n` is its only reference (`Arc::get_mut`).
 #[inline]
 fn unique<J>(n: &mut NodeRef<J>) -> Option<&mut Node<J>> {
-    if Arc::strong_count(n) != 1 {
+    if !NodeRef::is_unique(n) {
         return None;
     }
-    // Pairs with the Release decrement of every reference dropped before:
-    // what their holders did to the node happens before what we do now.
-    std::sync::atomic::fence(Ordering::Acquire);
-    // SAFETY: the only reference, held mutably, and no `Weak` exists that
-    // could make another: nothing else reaches the node while the returned
-    // borrow lives. The pointer comes from the Arc's own (writable) one, as
-    // in `Arc::get_mut`.
-    Some(unsafe { &mut *Arc::as_ptr(n).cast_mut() })
-}
-
-/// [`Arc::get_mut`] under loom (whose Arc models it).
-#[cfg(loom)]
-fn unique<J>(n: &mut NodeRef<J>) -> Option<&mut Node<J>> {
-    Arc::get_mut(n)
+    // SAFETY: the only reference, held mutably: nothing else reaches the
+    // node while the returned borrow lives, and `is_unique`'s Acquire
+    // ordered what every earlier holder did before.
+    Some(unsafe { &mut *NodeRef::as_ptr(n).cast_mut() })
 }
 
 /// Gives up the strong count a node held for its links, if it took one; by
@@ -871,9 +869,9 @@ fn let_go_of_links<J>(node: &NodeRef<J>) {
     // Relaxed: the caller's AcqRel decrement to zero follows the recorder's
     // last decrement, which followed the store.
     if node.linked.load(Ordering::Relaxed) {
-        // SAFETY: the count taken in `record` with `Arc::into_raw`, given up
+        // SAFETY: the count taken in `record` with `NodeRef::into_raw`, given up
         // once: only by the one that brought the count to zero.
-        unsafe { Arc::decrement_strong_count(Arc::as_ptr(node)) };
+        unsafe { NodeRef::decrement_strong_count(NodeRef::as_ptr(node)) };
     }
 }
 
@@ -1020,9 +1018,9 @@ impl<J> Finished<'_, J> {
                 }
             }
             if d.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
-                // SAFETY: the count taken with `Arc::into_raw` in `record`,
+                // SAFETY: the count taken with `NodeRef::into_raw` in `record`,
                 // handed out by the one that brought the count to zero.
-                ready(Ready(unsafe { Arc::from_raw(owner.cast_const()) }));
+                ready(Ready(unsafe { NodeRef::from_raw(owner.cast_const()) }));
             }
             at = next;
         }

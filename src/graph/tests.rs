@@ -24,7 +24,7 @@ fn rec(name: &'static str, reads: &[&Q], writes: &[&Q], job: u32) -> NodeRef<u32
         read: false,
         write: true,
     }));
-    let (node, ready) = record(meta(name), &mut acc, |_| job, false, None);
+    let (node, ready) = record(meta(name), &mut acc, |_| job, false, None, None);
     assert!(
         ready.is_none(),
         "a Lazy node is not ready before it is demanded"
@@ -92,7 +92,7 @@ fn a_node_demanded_at_record_is_ready_at_once() {
         read: true,
         write: true,
     });
-    let (a, ready) = record(meta("a"), &mut acc, |_| 1, true, None);
+    let (a, ready) = record(meta("a"), &mut acc, |_| 1, true, None, None);
     assert!(ready.is_some());
     let mut acc: Accesses<'_, u32> = SmallVec::new();
     acc.push(Access {
@@ -100,7 +100,7 @@ fn a_node_demanded_at_record_is_ready_at_once() {
         read: true,
         write: false,
     });
-    let (b, ready) = record(meta("b"), &mut acc, |_| 2, true, None);
+    let (b, ready) = record(meta("b"), &mut acc, |_| 2, true, None, None);
     assert!(ready.is_none(), "b reads what a writes");
     assert_eq!(finish(&a, Outcome::Done).len(), 1);
     assert!(finish(&b, Outcome::Done).is_empty());
@@ -259,6 +259,7 @@ fn rec_into(var: &Q, spare: NodeRef<u32>, job: u32) -> (Ready<u32>, Option<u32>)
         },
         true,
         Some(spare),
+        None,
     );
     (ready.expect("a first write, demanded: ready"), seen)
 }
@@ -380,4 +381,66 @@ fn a_listed_demand_marks_only_the_nodes_listed_and_their_order_does_not_matter()
     assert!(finish(&r, Outcome::Done).is_empty());
     assert!(!other.is_demanded());
     assert_eq!(demanded(&[other]), vec![3]);
+}
+
+#[test]
+fn a_finished_node_let_go_of_last_anywhere_goes_back_to_its_pool() {
+    static POOL: NodePool<u32> = NodePool::new();
+    let (x, y) = (Q::default(), Q::default());
+    let write = |var: &Q, job: u32| {
+        let mut acc: Accesses<'_, u32> = SmallVec::new();
+        acc.push(Access {
+            var,
+            read: false,
+            write: true,
+        });
+        let (node, ready) = record(meta("w"), &mut acc, |_| job, true, None, Some(&POOL));
+        (node, ready.expect("demanded, waits for nothing"))
+    };
+    let (a, ready) = write(&x, 1);
+    let at = a.key();
+    let (job, _) = ready.take_job().unwrap();
+    ready.give_back(job);
+    drop(ready);
+    // Let go of unfinished: not pooled (this reference is not the last).
+    drop(a.clone());
+    assert!(POOL.take_all().next().is_none());
+    finish(&a, Outcome::Done);
+    drop(a);
+    // x's queue holds the finished writer: not pooled yet.
+    assert!(POOL.take_all().next().is_none());
+    // The next write of x moves it to its dependencies (it finished, so
+    // none); the last reference goes with them, into the pool.
+    let (b, ready_b) = write(&x, 2);
+    let mut taken = POOL.take_all();
+    let back = taken.next().expect("the last reference went: pooled");
+    assert_eq!(back.key(), at);
+    assert!(taken.next().is_none());
+    drop(taken);
+    // Recorded in again, with its spent job.
+    let mut acc: Accesses<'_, u32> = SmallVec::new();
+    acc.push(Access {
+        var: &y,
+        read: false,
+        write: true,
+    });
+    let mut seen = None;
+    let (c, _) = record(
+        meta("again"),
+        &mut acc,
+        |spent| {
+            seen = spent;
+            3
+        },
+        true,
+        Some(back),
+        Some(&POOL),
+    );
+    assert_eq!(c.key(), at);
+    assert_eq!(seen, Some(1));
+    // Nodes let go of unfinished (their queues hold the last references)
+    // are freed, not pooled: nothing may be left in use in a pooled node.
+    drop((b, ready_b, c, acc));
+    drop((x, y));
+    assert!(POOL.take_all().next().is_none());
 }
