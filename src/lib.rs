@@ -41,9 +41,11 @@ mod device;
 pub mod dist;
 mod engine;
 mod error;
-// The one module with `unsafe`: the lock-free lists of dependents and the
-// node's job reached without a lock (see `graph/mod.rs`). Everything else
-// is safe code.
+// The module with `unsafe`: the lock-free lists of dependents, the node's
+// job reached without a lock, and the node's own count with the pool its
+// memory goes back to (see `graph/mod.rs`). The only other is a spent job's
+// box written over by the next closure (`engine/job.rs`). Everything else is
+// safe code.
 #[allow(unsafe_code)]
 mod graph;
 pub mod nn;

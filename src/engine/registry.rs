@@ -19,13 +19,15 @@
 //! With glibc's allocator that is a free into another thread's arena, and the
 //! frontend's next allocation then takes the slow path; on a 1,000,000-node
 //! chain the two took about a third of the time per node (measured by swapping
-//! in another allocator). Taskflow pools its nodes for the same reason. Here,
-//! in safe Rust: a node whose only reference is the list's is reused in place
-//! ([`std::sync::Arc::get_mut`] proves that nobody else can reach it, checked
-//! again by `graph::record`), so the memory stays with the thread that records.
-//! A record looks at the oldest two nodes only (amortized O(1)); a finished
-//! node still referred to elsewhere (the last writer of a Var, a task handle)
-//! leaves the list there and is freed wherever its last reference goes.
+//! in another allocator). Taskflow pools its nodes for the same reason. Here:
+//! a node whose only reference is the list's is reused in place (its count
+//! proves that nobody else can reach it, checked again by `graph::record`),
+//! so the memory stays with the thread that records. A record looks at the
+//! oldest two nodes only (amortized O(1)); a finished node still referred to
+//! elsewhere (the last writer of a Var, a task handle) leaves the list there,
+//! and goes to [`NODES`] when its last reference goes, wherever that is
+//! (`graph/node_ref.rs`); a record that finds no spare of its own takes
+//! what that pool holds.
 //!
 //! **Demand.** Every node recorded and not finished is in a list until it
 //! finishes (only finished nodes leave), so a barrier demands the nodes of
@@ -34,7 +36,9 @@
 //!
 //! **Bounds.** A shard drops the finished nodes that something else holds
 //! when it has doubled since the last time (amortized O(1)), keeping the
-//! others as spares; `wait_all` keeps [`KEEP`] spares per shard. Unfinished
+//! others as spares; `wait_all` keeps [`KEEP`] spares per shard and frees
+//! what [`NODES`] holds (between barriers it holds no more nodes than a
+//! program let go of since the last records took them). Unfinished
 //! nodes are bounded by backpressure.
 //!
 //! Tried and not kept: `wait_all` keeping a backpressure bound of spares

@@ -11,7 +11,7 @@
 //!   (write-after-write, write-after-read). The new node's link joins each such
 //!   node's list of dependents: a lock-free stack of links kept in the waiting
 //!   nodes, with no allocation, lock or reference count per edge (with the
-//!   node's job, below, the crate's only `unsafe` code; see `README.md`).
+//!   node's job and its count, below, the graph's `unsafe` code; see `README.md`).
 //! - **The count** ([`Node::pending`]): unfinished dependencies, plus one while
 //!   the node is being recorded, plus a bit until it is demanded (Lazy mode).
 //!   Whoever brings it to zero hands the node out, exactly once.
@@ -22,6 +22,9 @@
 //! - **Running**: the node goes to the caller as a [`Ready`], of which there
 //!   is one per recorded node; its holder takes the job and gives the spent
 //!   job back without a lock.
+//! - **Memory** ([`NodeRef`], `node_ref.rs`): a node counts its own
+//!   references, and a finished node whose last reference goes, on any
+//!   thread, goes back to the pool its recorder named, for the next records.
 //!
 //! Why per-node dependents and not a FIFO of waiting accesses per Var (MXNet's
 //! ThreadedVar): the edges are exact, a completion releases its dependents without
