@@ -5,6 +5,7 @@ shape of the scheduler benchmark, counted by callgrind on `examples/node_cost`.
     cargo build --release --example node_cost
     python3 benches/locked_per_unit.py chain 100000
     python3 benches/locked_per_unit.py tree 14 --binary /tmp/node_cost_old
+    python3 benches/locked_per_unit.py random_dag 20000
 
 A locked instruction (`lock`-prefixed, or `xchg` with memory) is an atomic
 read-modify-write: a reference count, a lock taken or let go, a
@@ -111,7 +112,7 @@ def locked(path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("shape", choices=["chain", "wide", "tree", "many_reads", "tensor_op"])
+    p.add_argument("shape", choices=["chain", "wide", "tree", "random_dag", "many_reads", "tensor_op"])
     p.add_argument("size", type=int)
     p.add_argument("--binary", default="target/release/examples/node_cost")
     p.add_argument(
