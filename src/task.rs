@@ -105,6 +105,7 @@ impl Engine {
                 location,
                 lane: device_lane(Device::Cpu),
                 weight: 1,
+                group: 0,
             },
             vars: SmallVec::new(),
             mismatch: false,

@@ -41,11 +41,13 @@ pub const DEFAULT_GPU_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 pub const DEFAULT_HIGH_WATERMARK: usize = 16_384;
 
 /// Default backpressure low mark: a stalled frontend resumes once everything it
-/// recorded has finished. Measured on 2 cores, resuming earlier (at half the high
-/// mark) let recording and running overlap but made them contend for the graph
-/// lock, and a 1,000,000-node chain took 436 ns per node instead of 205; the
-/// overlap matters little when the backend is the bottleneck anyway (the stall
-/// only happens when the frontend is 16,384 nodes ahead).
+/// recorded has finished. When the engine had one lock, resuming earlier (at
+/// half the high mark) made recording and running contend for it, and a
+/// 1,000,000-node chain took 436 ns per node instead of 205 on 2 cores.
+/// Recording and running overlap through Lazy mode's window instead (see
+/// [`EngineBuilder::backpressure`]): the stall only happens when the workers
+/// have fallen behind by the whole bound, and then the backend is the
+/// bottleneck anyway.
 pub const DEFAULT_LOW_WATERMARK: usize = 0;
 
 /// Configures an [`Engine`]. Values set here win over the environment
@@ -101,6 +103,10 @@ impl EngineBuilder {
 
     /// Bounds the recorded-but-unfinished nodes: recording stalls at `high` until
     /// `low` remain (in Lazy mode it first flushes everything recorded).
+    ///
+    /// `high` also sets the window of Lazy mode: a thread that has recorded
+    /// `high / 8` nodes (at least 64) since its last ones were demanded
+    /// demands them, so that they run while it records the next.
     pub fn backpressure(mut self, high: usize, low: usize) -> Self {
         self.watermarks = Some((high, low));
         self

@@ -207,6 +207,10 @@ pub(crate) struct Shared {
     /// A stalled frontend resumes at this many live nodes (below the high mark
     /// even when the marks are equal).
     resume_at: usize,
+    /// Lazy mode: a recording thread demands what it recorded since the
+    /// last demand of its shard once that is this many ops
+    /// (`registry::lookahead`).
+    lookahead: usize,
     /// This engine itself, to start workers again after they exited.
     me: std::sync::Weak<Shared>,
 
@@ -388,6 +392,7 @@ impl Engine {
         let shared = std::sync::Arc::new_cyclic(|me| Shared {
             id: NEXT_ENGINE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             resume_at: config.low.min(config.high - 1),
+            lookahead: registry::lookahead(config.high),
             pool: Pool::new(config.workers),
             config,
             me: me.clone(),
@@ -875,6 +880,10 @@ impl Shared {
         // holds anyway: a locked add of its own cost about 8 ns a node on
         // some machines.
         shard.count(weight);
+        let meta = NodeMeta {
+            group: shard.group,
+            ..meta
+        };
         let (node, ready) = graph::record(
             meta,
             accesses,
@@ -902,6 +911,11 @@ impl Shared {
             shard.push(node);
             None
         };
+        // Far enough ahead: the window recorded since the last demand runs
+        // while this thread records on (see `registry::lookahead`).
+        if lazy && shard.undemanded() >= self.lookahead {
+            self.hand_out_all(|ready| shard.demand_rest(&mut |r| ready(r)));
+        }
         drop(shard);
         if self.retiring.load(Ordering::SeqCst) {
             self.keep_workers();
@@ -958,11 +972,16 @@ impl Shared {
             return;
         }
         debug_assert!(self.global_demand.load(Ordering::SeqCst) > 0);
-        // Onto the injector (the caller is not running a node of its own
-        // deque: a frontend, or a retiring drop), with wake-ups as
-        // `WakeEvery` says.
+        self.hand_out_all(|ready| self.recorded.demand_all(&mut |r| ready(r)));
+    }
+
+    /// Runs a demand of many nodes, `demand`, handing out what it finds
+    /// ready onto the injector (the caller is not running a node of its own
+    /// deque: a frontend, or a retiring drop; a recording worker's nodes may
+    /// go to any worker), with wake-ups as [`WakeEvery`] says.
+    fn hand_out_all(&self, demand: impl FnOnce(&mut dyn FnMut(Ready))) {
         let mut wakes = WakeEvery::default();
-        self.recorded.demand_all(&mut |r| {
+        demand(&mut |r| {
             self.pool.publish_global(r);
             if wakes.published() {
                 self.pool.wake(1);

@@ -12,6 +12,7 @@ fn meta(name: &'static str) -> NodeMeta {
         location: Location::caller(),
         lane: 0,
         weight: 1,
+        group: 0,
     }
 }
 

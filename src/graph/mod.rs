@@ -60,6 +60,9 @@ pub(crate) struct NodeMeta {
     /// How many ops the node stands for: 1, or the ops of a record-time batch
     /// (the engine's live count and backpressure count ops, not nodes).
     pub(crate) weight: u32,
+    /// An opaque number the engine gives the node: the list it keeps the
+    /// node in (see [`demand_listed`]).
+    pub(crate) group: u32,
 }
 
 /// How a node ended.
@@ -305,6 +308,9 @@ pub(crate) struct Node<J> {
     /// handed out with the node) by whoever brings [`Node::pending`] to
     /// zero.
     linked: AtomicBool,
+    /// Whether it waits for a node of another [`NodeMeta::group`] (fixed
+    /// when filled): [`demand_listed`] walks its dependencies.
+    outside: bool,
     /// The Vars it writes, by address (deadlock checks of blockers).
     writes: SmallVec<[usize; 2]>,
     /// The nodes it waited for when recorded, in the order of `State::deps`
@@ -358,6 +364,7 @@ impl<J> Node<J> {
             job: JobSlot(UnsafeCell::new(None)),
             dependents: AtomicPtr::new(closed()),
             linked: AtomicBool::new(false),
+            outside: false,
             writes: SmallVec::new(),
             links: SmallVec::new(),
             state: Mutex::new(State {
@@ -455,6 +462,7 @@ impl<J> Node<J> {
                 },
             );
         }
+        self.outside = st.deps.iter().any(|d| d.meta.group != meta.group);
         // A Var read that a failed write poisoned skips the node.
         self.skipped.store(st.skip.is_some(), Ordering::Relaxed);
         self.pending
@@ -900,22 +908,32 @@ pub(crate) fn demand<J>(roots: &[NodeRef<J>], ready: &mut impl FnMut(Ready<J>)) 
     marked
 }
 
-/// Marks each of `nodes` as demanded by itself, without walking what it
-/// waits for, and hands out (through `ready`) those that are ready. Returns
-/// how many it marked.
+/// Marks `nodes` as demanded and hands out (through `ready`) those that are
+/// ready. Returns how many it marked.
 ///
-/// For a barrier that demands every node recorded: the caller must know that
-/// each unfinished dependency of these nodes is demanded too, in this call, in
-/// another call of the same barrier, or by its recorder (see the engine's
-/// `Registry::demand_all`). A node is one atomic operation here; the walk of
-/// [`demand`] also locks each node that waits for something to read its list.
+/// `nodes` are the nodes of one [`NodeMeta::group`] in record order (the
+/// engine's list of a recording thread, `engine/registry.rs`), or the end of
+/// such a list whose earlier nodes were all demanded. A node that waits only
+/// for nodes of its own group is marked by itself, one atomic operation: its
+/// dependencies come before it in the list, so they were demanded before or
+/// in this call. A node that waits for a node of another group is walked as
+/// [`demand`] walks (which locks each node that waits for something, to read
+/// its list): that dependency may not be demanded yet, and a demanded node's
+/// dependencies must be, or a blocker's walk that stops at the node would
+/// leave them waiting.
 pub(crate) fn demand_listed<'a, J: 'a>(
     nodes: impl Iterator<Item = &'a NodeRef<J>>,
     ready: &mut impl FnMut(Ready<J>),
 ) -> usize {
     let mut marked = 0;
+    let mut stack: SmallVec<[NodeRef<J>; 16]> = SmallVec::new();
     for n in nodes {
         if n.is_done() || n.seen_demanded() {
+            continue;
+        }
+        if n.outside {
+            stack.push(n.clone());
+            marked += demand_from(&mut stack, ready);
             continue;
         }
         let Some(now_ready) = take_demand(n) else {

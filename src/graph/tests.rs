@@ -6,6 +6,7 @@ fn meta(name: &'static str) -> NodeMeta {
         location: Location::caller(),
         lane: 0,
         weight: 1,
+        group: 0,
     }
 }
 
@@ -13,6 +14,11 @@ type Q = VarQueue<u32>;
 
 /// Records a Lazy node reading `reads` and writing `writes`.
 fn rec(name: &'static str, reads: &[&Q], writes: &[&Q], job: u32) -> NodeRef<u32> {
+    rec_in(0, name, reads, writes, job)
+}
+
+/// [`rec`] of a node of `group`.
+fn rec_in(group: u32, name: &'static str, reads: &[&Q], writes: &[&Q], job: u32) -> NodeRef<u32> {
     let mut acc: Accesses<'_, u32> = SmallVec::new();
     acc.extend(reads.iter().map(|v| Access {
         var: *v,
@@ -24,7 +30,11 @@ fn rec(name: &'static str, reads: &[&Q], writes: &[&Q], job: u32) -> NodeRef<u32
         read: false,
         write: true,
     }));
-    let (node, ready) = record(meta(name), &mut acc, |_| job, false, None, None);
+    let meta = NodeMeta {
+        group,
+        ..meta(name)
+    };
+    let (node, ready) = record(meta, &mut acc, |_| job, false, None, None);
     assert!(
         ready.is_none(),
         "a Lazy node is not ready before it is demanded"
@@ -364,23 +374,45 @@ fn a_dependency_met_twice_is_one_edge_that_reads() {
 }
 
 #[test]
-fn a_listed_demand_marks_only_the_nodes_listed_and_their_order_does_not_matter() {
+fn a_listed_demand_marks_only_the_nodes_listed() {
     let (x, y) = (Q::default(), Q::default());
     let w = rec("w", &[], &[&x], 1);
     let r = rec("r", &[&x], &[&y], 2);
     let other = rec("other", &[], &[&y], 3);
-    // Two lists of one barrier, the dependent's first: `r` is marked but
-    // waits; nothing is walked, so `w` stays undemanded until its own list.
+    // One group's list up to `r`, in record order: each node is marked by
+    // itself, `w` ready, `r` waiting for it.
     let mut out = Vec::new();
-    assert_eq!(demand_listed([&r].into_iter(), &mut |n| out.push(n)), 1);
-    assert!(out.is_empty() && !w.is_demanded() && !other.is_demanded());
-    assert_eq!(demand_listed([&w, &r].into_iter(), &mut |n| out.push(n)), 1);
+    assert_eq!(demand_listed([&w, &r].into_iter(), &mut |n| out.push(n)), 2);
+    assert!(r.is_demanded());
     assert_eq!(jobs(out), vec![1]);
     assert_eq!(jobs(finish(&w, Outcome::Done)), vec![2]);
-    // `other` (a write after `r`'s write) waits for `r`, and was never listed.
+    // `other` (a write after `r`'s write) waits for `r`, and was not listed.
     assert!(finish(&r, Outcome::Done).is_empty());
     assert!(!other.is_demanded());
     assert_eq!(demanded(&[other]), vec![3]);
+}
+
+#[test]
+fn a_listed_node_that_waits_for_another_group_demands_what_it_waits_for() {
+    let (x, y, z) = (Q::default(), Q::default(), Q::default());
+    // `w` and `u` were recorded by another thread (another list), and
+    // nothing demanded them; `r` waits for `w`, `u` for nothing.
+    let w = rec_in(1, "w", &[], &[&x], 1);
+    let u = rec_in(1, "u", &[], &[&z], 4);
+    let r = rec_in(0, "r", &[&x], &[&y], 2);
+    let after = rec_in(0, "after", &[&y], &[], 3);
+    let mut out = Vec::new();
+    // `r`'s list alone: `r` cannot be marked by itself, or a blocker's walk
+    // from `after` would stop at it and `w` would never run.
+    assert_eq!(
+        demand_listed([&r, &after].into_iter(), &mut |n| out.push(n)),
+        3
+    );
+    assert!(w.is_demanded() && r.is_demanded() && after.is_demanded());
+    assert!(!u.is_demanded(), "only what the listed nodes wait for");
+    assert_eq!(jobs(out), vec![1]);
+    assert_eq!(jobs(finish(&w, Outcome::Done)), vec![2]);
+    assert_eq!(jobs(finish(&r, Outcome::Done)), vec![3]);
 }
 
 #[test]
