@@ -78,7 +78,7 @@ const SCAN: usize = 2;
 /// behind it that the two seldom touch the same nodes. The frontend stays
 /// ahead by the window: record-time batches, fusion and the values nothing
 /// reads are decided as before. Measured in `README.md` ("A window of
-/// demanded nodes"); an eighth did as well as a quarter or a sixteenth.
+/// demanded nodes"): no window was best on every shape.
 pub(super) fn lookahead(high: usize) -> usize {
     (high / 8).max(64)
 }
