@@ -391,7 +391,7 @@ mod tests {
         let tasks = 1000;
         for i in 0..tasks {
             let tx = tx.clone();
-            e.task("window").push(move || drop(tx.send(i))).unwrap();
+            e.task("window").push(move || _ = tx.send(i)).unwrap();
         }
         let ran = receive(
             &rx,
@@ -442,7 +442,7 @@ mod tests {
                 let mut t = e3.task("reader");
                 let r = t.read(&v3);
                 let tx = tx3.clone();
-                t.push(move || drop(tx.send(*r.read()))).unwrap();
+                t.push(move || _ = tx.send(*r.read())).unwrap();
                 for _ in 1..window {
                     e3.task("filler").push(|| {}).unwrap();
                 }
