@@ -375,15 +375,20 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn a_lazy_recorder_a_window_ahead_has_the_window_run_without_a_blocker() {
+    /// A Lazy engine of 2 workers with a bound of 1,024, and its window.
+    fn windowed() -> (Engine, usize) {
         let e = Engine::builder()
             .mode(Mode::Lazy)
             .workers(2)
             .backpressure(1024, 0)
             .build()
             .unwrap();
-        let window = super::lookahead(1024);
+        (e, super::lookahead(1024))
+    }
+
+    #[test]
+    fn a_lazy_recorder_a_window_ahead_has_the_window_run_without_a_blocker() {
+        let (e, window) = windowed();
         assert_eq!(window, 128);
         let (tx, rx) = std::sync::mpsc::channel();
         // Fewer than the high mark: no stall. Nothing waits, and nothing
@@ -393,16 +398,11 @@ mod tests {
             let tx = tx.clone();
             e.task("window").push(move || _ = tx.send(i)).unwrap();
         }
-        let ran = receive(
-            &rx,
-            tasks as usize / window * window,
-            "the demanded windows",
-        );
+        let whole = tasks as usize / window * window;
+        let ran = receive(&rx, whole, "the demanded windows");
         assert_eq!(e.stats().backpressure_stalls, 0);
         assert_eq!(e.stats().flushes, 0);
-        assert!(ran
-            .iter()
-            .all(|&i| (i as usize) < tasks as usize / window * window));
+        assert!(ran.iter().all(|&i| (i as usize) < whole));
         // The last, partial window waits for a blocker.
         assert!(rx.try_recv().is_err());
         e.wait_all().unwrap();
@@ -411,13 +411,7 @@ mod tests {
 
     #[test]
     fn a_window_that_waits_for_another_threads_undemanded_node_demands_it() {
-        let e = Engine::builder()
-            .mode(Mode::Lazy)
-            .workers(2)
-            .backpressure(1024, 0)
-            .build()
-            .unwrap();
-        let window = super::lookahead(1024);
+        let (e, window) = windowed();
         let v = e.var(0u32);
         let (tx, rx) = std::sync::mpsc::channel();
         // Another thread writes `v`, undemanded, into its own shard.
