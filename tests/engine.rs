@@ -194,6 +194,95 @@ fn a_lazy_frontend_that_outruns_the_workers_stalls_at_the_bound() {
     );
 }
 
+/// A worker counts the nodes it completes out of the live count in groups;
+/// a stall must not wait for the group of a worker that then blocks inside a
+/// task on something outside the engine (here, the stalled frontend itself).
+#[test]
+fn a_stall_ends_while_a_worker_that_ran_nodes_blocks_outside_the_engine() {
+    use std::sync::mpsc::channel;
+    use std::time::Duration;
+    let (high, low, chain) = (40usize, 20usize, 30u64);
+    let (done_tx, done_rx) = channel();
+    let frontend = std::thread::spawn(move || {
+        let e = Engine::builder()
+            .mode(Mode::Async)
+            .workers(2)
+            .backpressure(high, low)
+            .build()
+            .unwrap();
+        let (a, c) = (e.var(0u64), e.var(0u64));
+        // A gate, then a chain behind it, then a task that blocks until the
+        // frontend gets past its records: the chain and the blocking task
+        // run back to back on the gate's worker, which never finds itself
+        // without work in between.
+        let (go_tx, go_rx) = channel::<()>();
+        let (started_tx, started_rx) = channel::<()>();
+        let (release_tx, release_rx) = channel::<()>();
+        let mut t = e.task("gate");
+        let w = t.write(&a);
+        t.push(move || {
+            go_rx.recv().unwrap();
+            drop(w)
+        })
+        .unwrap();
+        for _ in 0..chain {
+            let mut t = e.task("step");
+            let w = t.write(&a);
+            t.push(move || *w.write() += 1).unwrap();
+        }
+        let mut t = e.task("blocks outside");
+        let w = t.write(&a);
+        t.push(move || {
+            started_tx.send(()).unwrap();
+            release_rx.recv().unwrap();
+            *w.write() += 1
+        })
+        .unwrap();
+        go_tx.send(()).unwrap();
+        started_rx.recv().unwrap();
+        // Readers of the blocked task's value, which cannot run: with the
+        // blocked task, fewer unfinished nodes than the low mark, so no
+        // stall waits for them; but with the chain's nodes still counted
+        // live they would be over the high mark.
+        let sum = Arc::new(AtomicUsize::new(0));
+        for _ in 0..(low - 5) {
+            let mut t = e.task("reads the blocked value");
+            let (r, w) = (t.read(&a), t.write(&c));
+            let sum = sum.clone();
+            t.push(move || {
+                sum.fetch_add(*r.read() as usize, Ordering::SeqCst);
+                *w.write() += 1
+            })
+            .unwrap();
+        }
+        assert_eq!(
+            e.stats().live_nodes,
+            low - 4,
+            "the blocked task and its readers"
+        );
+        release_tx.send(()).unwrap();
+        e.wait_all().unwrap();
+        done_tx
+            .send((
+                a.get().unwrap(),
+                c.get().unwrap(),
+                sum.load(Ordering::SeqCst),
+            ))
+            .unwrap();
+    });
+    let (a, c, sum) = done_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the frontend got past its records (no stall waited for the blocked worker)");
+    frontend.join().unwrap();
+    assert_eq!(a, chain + 1);
+    assert_eq!(c as usize, low - 5);
+    assert_eq!(
+        sum as u64,
+        c * (chain + 1),
+        "each reader saw the blocked task's write"
+    );
+}
+
 #[test]
 fn tensor_loop_releases_everything() {
     let e = Engine::builder()

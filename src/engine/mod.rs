@@ -94,7 +94,7 @@ impl Completion {
     fn end(&mut self, outcome: Outcome) {
         let Some(node) = self.node.take() else { return };
         // Not a worker's loop: the released dependent goes to the queues.
-        if let Some(next) = self.shared.complete(&node, outcome) {
+        if let Some(next) = self.shared.complete(&node, outcome, false) {
             self.shared.pool.publish(next);
             self.shared.pool.wake(1);
         }
@@ -224,6 +224,12 @@ pub(crate) struct Shared {
     live: crossbeam_utils::CachePadded<AtomicUsize>,
     /// Highest `live` seen (a statistic; Relaxed).
     peak_live: AtomicUsize,
+    /// Ops workers completed and have not counted out of `live` yet, one
+    /// slot per few workers (see [`OWED_MOST`]).
+    owed: [crossbeam_utils::CachePadded<AtomicUsize>; OWED_SLOTS],
+    /// Threads counting what a slot of `owed` held out of `live`: a reader
+    /// of the count waits for them (see [`Shared::settle_owed`]).
+    paying: AtomicUsize,
     /// Threads in `wait_all` or stalled by backpressure in Lazy mode, plus one
     /// while retiring. While there are any, every node recorded is demanded at
     /// once: those waits end only when the graph drains. SeqCst with the
@@ -256,6 +262,32 @@ pub(crate) struct Shared {
     /// A slot for the tensor layer's record-time batches of the CPU device
     /// (the GPUs have theirs in their device).
     pub(crate) cpu_frontend: OnceLock<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+/// The most ops a worker completes before it counts them out of `live`.
+///
+/// Why not one by one: `live` is written by every record, and a worker's
+/// decrement per node took its line from the recorder once a node; with
+/// recording and running overlapped (the Lazy window) the recorder's load
+/// and add of `live` were most of `Shared::record_job`'s time on `chain`
+/// of `benches/scheduler.rs`. A worker adds what it completes to a slot of
+/// [`Shared::owed`] (a line of its own) instead, and moves the slot into
+/// `live` once it holds this many, whenever the worker finds no work
+/// ([`Host::idle`]), and before it blocks inside a task. So `live` only
+/// ever runs high by what is owed (`live == 0` still means nothing is
+/// left), every wait on it ends, and [`Engine::stats`], which moves every
+/// slot first, counts a node out as soon as it finished.
+const OWED_MOST: usize = 64;
+/// Slots of [`Shared::owed`]: workers share one only past this many.
+const OWED_SLOTS: usize = 16;
+
+/// The slot of [`Shared::owed`] of the calling worker.
+fn owed_slot() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    thread_local! {
+        static SLOT: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % OWED_SLOTS;
+    }
+    SLOT.try_with(|s| *s).unwrap_or(0)
 }
 
 thread_local! {
@@ -344,14 +376,23 @@ fn wants_notify(live: usize, resume_at: usize, barrier: usize, stalled: usize) -
 }
 
 impl Drained {
-    fn wait_until(&self, waiters: &AtomicUsize, done: impl Fn() -> bool) {
-        let mut g = lock(&self.lock);
+    /// Waits until `done`, checking it at every notification and at least
+    /// once a millisecond, each time after `settle` (without the lock: it
+    /// may notify): what a worker owes (see [`OWED_MOST`]) is counted out
+    /// by the waiter itself when no worker pays it (a worker blocked inside
+    /// a task on something outside the engine, say).
+    fn wait_until(&self, waiters: &AtomicUsize, settle: impl Fn(), done: impl Fn() -> bool) {
         waiters.fetch_add(1, Ordering::SeqCst);
-        while !done() {
-            g = match self.cv.wait(g) {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
+        loop {
+            settle();
+            let g = lock(&self.lock);
+            if done() {
+                break;
+            }
+            #[cfg(not(loom))]
+            drop(self.cv.wait_timeout(g, Duration::from_millis(1)));
+            #[cfg(loom)]
+            drop(self.cv.wait(g));
         }
         waiters.fetch_sub(1, Ordering::SeqCst);
     }
@@ -398,6 +439,8 @@ impl Engine {
             me: me.clone(),
             live: crossbeam_utils::CachePadded::new(AtomicUsize::new(0)),
             peak_live: AtomicUsize::new(0),
+            owed: std::array::from_fn(|_| Default::default()),
+            paying: AtomicUsize::new(0),
             global_demand: AtomicUsize::new(0),
             retiring: AtomicBool::new(false),
             handles: AtomicUsize::new(1),
@@ -602,7 +645,10 @@ impl Engine {
         let shared = self.shared();
         shared.counters.snapshot(
             shared.recorded.recorded(),
-            || shared.live.load(Ordering::SeqCst),
+            || {
+                shared.settle_owed();
+                shared.live.load(Ordering::SeqCst)
+            },
             shared.peak_live.load(Ordering::Relaxed),
         )
     }
@@ -675,11 +721,15 @@ impl Host for Shared {
     #[inline]
     fn run(&self, node: Ready) -> Option<Ready> {
         let outcome = execute(self, &node)?;
-        self.complete(&node, outcome)
+        self.complete(&node, outcome, true)
     }
 
     fn may_exit(&self) -> bool {
         self.retiring.load(Ordering::SeqCst) && self.live.load(Ordering::SeqCst) == 0
+    }
+
+    fn idle(&self) {
+        self.pay(owed_slot());
     }
 }
 
@@ -994,8 +1044,10 @@ impl Shared {
 
     /// Completes a node that ran: releases its dependents (the first one is
     /// returned for this thread to run next, the others are published) and
-    /// wakes whoever waits for it or for the graph to drain.
-    fn complete(&self, node: &NodeRef, outcome: Outcome) -> Option<Ready> {
+    /// wakes whoever waits for it or for the graph to drain. With `owe` (a
+    /// worker's own loop), the node is counted out of `live` later, with
+    /// others (see [`OWED_MOST`]).
+    fn complete(&self, node: &NodeRef, outcome: Outcome, owe: bool) -> Option<Ready> {
         match &outcome {
             Outcome::Done => {}
             Outcome::Failed(_) => {
@@ -1005,13 +1057,22 @@ impl Shared {
                 self.counters.skipped.fetch_add(1, Ordering::Relaxed);
             }
         }
-        // The node is counted out and marked finished before any dependent it
-        // releases is handed out: nobody sees a dependent run while the node
-        // still looks unfinished. The first one released runs next on this
-        // thread; the others are published.
+        // The node is counted out (or owed) and marked finished before any
+        // dependent it releases is handed out: nobody sees a dependent run
+        // while the node still looks unfinished, and a reader of the count
+        // that saw the node finished finds it owed. The first one released
+        // runs next on this thread; the others are published.
         let finished = graph::complete(node, outcome);
         let weight = node.meta.weight as usize;
-        let live = self.live.fetch_sub(weight, Ordering::SeqCst) - weight;
+        let live = if owe {
+            let slot = owed_slot();
+            if self.owed[slot].fetch_add(weight, Ordering::SeqCst) + weight >= OWED_MOST {
+                self.pay(slot);
+            }
+            None
+        } else {
+            Some(self.live.fetch_sub(weight, Ordering::SeqCst) - weight)
+        };
         let mut next = None;
         let mut pushed = 0;
         finished.wake(&mut |r| {
@@ -1023,6 +1084,49 @@ impl Shared {
             }
         });
         self.pool.wake(pushed);
+        if let Some(live) = live {
+            self.counted_out(live);
+        }
+        next
+    }
+
+    /// Counts what slot `slot` of [`Shared::owed`] holds out of `live`.
+    fn pay(&self, slot: usize) {
+        if self.owed[slot].load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        self.paying.fetch_add(1, Ordering::SeqCst);
+        let owed = self.owed[slot].swap(0, Ordering::SeqCst);
+        let live = (owed > 0).then(|| self.live.fetch_sub(owed, Ordering::SeqCst) - owed);
+        self.paying.fetch_sub(1, Ordering::SeqCst);
+        if let Some(live) = live {
+            self.counted_out(live);
+        }
+    }
+
+    /// Counts everything owed out of `live`, and waits (briefly) for the
+    /// threads doing the same meanwhile, so that a node seen finished
+    /// before this call is not in the count read after it (see
+    /// [`OWED_MOST`]).
+    fn settle_owed(&self) {
+        for slot in 0..OWED_SLOTS {
+            self.pay(slot);
+        }
+        // A payer that took a slot before this thread did raised `paying`
+        // first; its part of `live` is settled once it lowers it again.
+        // Bounded: under a steady stream of completions the count read is
+        // a moment's anyway.
+        for _ in 0..10_000 {
+            if self.paying.load(Ordering::SeqCst) == 0 {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Wakes whoever waits for `live` to drop, now that a completion left
+    /// it at `live`.
+    fn counted_out(&self, live: usize) {
         if live <= self.resume_at
             && wants_notify(
                 live,
@@ -1036,7 +1140,6 @@ impl Shared {
         if live == 0 && self.retiring.load(Ordering::SeqCst) {
             self.check_drained();
         }
-        next
     }
 
     /// Recording stalls: in Lazy mode everything recorded is demanded (and so
@@ -1052,9 +1155,11 @@ impl Shared {
             self.global_demand.fetch_add(1, Ordering::SeqCst);
             self.demand_all();
         }
-        self.drained.wait_until(&self.drained.stalled, || {
-            self.live.load(Ordering::SeqCst) <= self.resume_at
-        });
+        self.drained.wait_until(
+            &self.drained.stalled,
+            || self.settle_owed(),
+            || self.live.load(Ordering::SeqCst) <= self.resume_at,
+        );
         if lazy {
             self.global_demand.fetch_sub(1, Ordering::SeqCst);
         }
@@ -1064,6 +1169,12 @@ impl Shared {
     /// and waits until they finished. On a worker thread it runs the work it
     /// needs while it waits, and refuses to wait for the task it is running.
     pub(crate) fn wait_for(&self, targets: SmallVec<[NodeRef; 4]>) -> Result<()> {
+        if self.on_worker() {
+            // A task that blocks: its worker's part of what is owed is
+            // counted out first, so that no wait on `live` waits for the
+            // task's end (see `OWED_MOST`).
+            self.pay(owed_slot());
+        }
         let targets: SmallVec<[NodeRef; 4]> =
             targets.into_iter().filter(|t| !t.is_done()).collect();
         if targets.is_empty() {
@@ -1097,9 +1208,11 @@ impl Shared {
         self.check_wait_all()?;
         self.global_demand.fetch_add(1, Ordering::SeqCst);
         self.demand_all();
-        self.drained.wait_until(&self.drained.barrier, || {
-            self.live.load(Ordering::SeqCst) == 0
-        });
+        self.drained.wait_until(
+            &self.drained.barrier,
+            || self.settle_owed(),
+            || self.live.load(Ordering::SeqCst) == 0,
+        );
         self.global_demand.fetch_sub(1, Ordering::SeqCst);
         self.recorded.prune(registry::KEEP);
         Ok(())
@@ -1163,7 +1276,7 @@ impl Shared {
             let Some(outcome) = execute(self, &node) else {
                 return;
             };
-            match self.complete(&node, outcome) {
+            match self.complete(&node, outcome, false) {
                 Some(next) if allowed.contains_key(&next.key()) => node = next,
                 Some(next) => {
                     self.pool.publish(next);

@@ -36,6 +36,10 @@ pub(crate) trait Host: Send + Sync + 'static {
     /// Whether an idle worker may exit after [`Pool::set_shutdown`]: asked under
     /// the pool's thread lock, with the queues found empty.
     fn may_exit(&self) -> bool;
+    /// Called on a worker each time it finds no work, before it spins, sleeps
+    /// or exits: what the host put off while the worker was busy is settled
+    /// here.
+    fn idle(&self) {}
 }
 
 struct Threads<J> {
@@ -284,6 +288,7 @@ fn worker_main<H: Host>(host: Arc<H>, local: Worker<H::Job>) {
             }
             continue;
         }
+        host.idle();
         if pool.shutdown.load(Ordering::Acquire) && pool.try_exit(&*host) {
             return;
         }
