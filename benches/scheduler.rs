@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 #[path = "../examples/demos/shapes.rs"]
 mod shapes;
-use shapes::{chain, many_reads, many_reads_inputs, random_dag, random_inputs, tree, wide};
+use shapes::{
+    chain, dynamic_chain, many_reads, many_reads_inputs, random_dag, random_inputs, tree, wide,
+};
 
 const WORKERS: usize = 2;
 
@@ -31,20 +33,6 @@ fn engine(mode: Mode) -> Engine {
         .workers(WORKERS)
         .build()
         .unwrap()
-}
-
-/// Async mode: each node, recorded one by one, reads what the previous wrote and
-/// writes a new Var; one `wait_all` at the end.
-fn dynamic_chain(e: &Engine, n: usize) {
-    let mut prev = e.var(());
-    for _ in 0..n {
-        let next = e.var(());
-        let mut t = e.task("dynamic");
-        let (r, w) = (t.read(&prev), t.write(&next));
-        t.push(move || drop((r, w))).unwrap();
-        prev = next;
-    }
-    e.wait_all().unwrap();
 }
 
 /// `threads` frontends, each recording an independent chain of `per_thread`
@@ -90,7 +78,7 @@ fn bench(c: &mut Criterion) {
     let asynchronous = engine(Mode::Async);
     g.throughput(Throughput::Elements(100_000));
     g.bench_function("dynamic_chain", |b| {
-        b.iter(|| dynamic_chain(&asynchronous, 100_000))
+        b.iter(|| done(&asynchronous, dynamic_chain(&asynchronous, 100_000)))
     });
 
     // Declared accesses per second (the goal is stated per access).

@@ -1,14 +1,15 @@
 //! One shape of the scheduler benchmark (`benches/scheduler.rs`), run a few
-//! times in one Lazy engine with the default backpressure and 2 workers, with
+//! times in one Lazy engine (Async for `dynamic_chain`, as in the benchmark)
+//! with the default backpressure and 2 workers, with
 //! nothing else in the process: the loop to count instructions per node with
 //! callgrind, or to time one shape alone.
 //!
 //! ```text
-//! cargo run --release --example node_cost -- <chain|wide|tree|random_dag|many_reads|tensor_op> [size] [reps]
+//! cargo run --release --example node_cost -- <chain|wide|tree|random_dag|many_reads|tensor_op|dynamic_chain> [size] [reps]
 //! valgrind --tool=callgrind target/release/examples/node_cost chain 200000 5
 //! ```
 //!
-//! `size` is the nodes of `chain`, `wide` and `random_dag`, the depth of `tree` (it has
+//! `size` is the nodes of `chain`, `wide`, `random_dag` and `dynamic_chain`, the depth of `tree` (it has
 //! 2^(depth+1) nodes less 2), the tasks of `many_reads` (whose unit is a
 //! declared access, about 11.5 per task) and the ops of `tensor_op` (`&x + &y`
 //! on 4 elements, as `record_tensor_op` in the benchmark: the results are let
@@ -21,7 +22,9 @@
 
 mod demos;
 
-use demos::shapes::{chain, many_reads, many_reads_inputs, random_dag, random_inputs, tree, wide};
+use demos::shapes::{
+    chain, dynamic_chain, many_reads, many_reads_inputs, random_dag, random_inputs, tree, wide,
+};
 use lazyflow::{Engine, Mode, Tensor, Var};
 use std::time::Instant;
 
@@ -30,7 +33,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let shape = args.first().map_or("chain", |s| s.as_str()).to_string();
     let size: usize = args.get(1).map_or(Ok(200_000), |s| s.parse())?;
     let reps: usize = args.get(2).map_or(Ok(5), |s| s.parse())?;
-    let e = Engine::builder().mode(Mode::Lazy).workers(2).build()?;
+    // `dynamic_chain` runs in Async mode, as in the benchmark.
+    let mode = if shape == "dynamic_chain" {
+        Mode::Async
+    } else {
+        Mode::Lazy
+    };
+    let e = Engine::builder().mode(mode).workers(2).build()?;
     let plan = if shape == "many_reads" {
         many_reads_inputs(size).0
     } else {
@@ -52,6 +61,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "wide" => wide(&e, size, || {}),
             "tree" => tree(&e, size as u32),
             "random_dag" => random_dag(&e, &inputs, || {}),
+            "dynamic_chain" => dynamic_chain(&e, size),
             "many_reads" => many_reads(&e, &vars, &plan),
             "tensor_op" => {
                 outs.extend((0..size).map(|_| &x + &y));
@@ -59,7 +69,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             other => {
                 return Err(format!(
-                "unknown shape {other:?}: chain, wide, tree, random_dag, many_reads or tensor_op"
+                "unknown shape {other:?}: chain, wide, tree, random_dag, many_reads, tensor_op or dynamic_chain"
             )
                 .into())
             }

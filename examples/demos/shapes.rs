@@ -18,6 +18,21 @@ pub fn chain(e: &Engine, n: usize) -> usize {
     n
 }
 
+/// `n` nodes, each reading what the previous one wrote and writing a new
+/// Var (`benches/scheduler.rs` runs it in Async mode: each node is handed
+/// out as it is recorded).
+pub fn dynamic_chain(e: &Engine, n: usize) -> usize {
+    let mut prev = e.var(());
+    for _ in 0..n {
+        let next = e.var(());
+        let mut t = e.task("dynamic");
+        let (r, w) = (t.read(&prev), t.write(&next));
+        t.push(move || drop((r, w))).unwrap();
+        prev = next;
+    }
+    n
+}
+
 /// `n` independent nodes, each running `work`.
 pub fn wide(e: &Engine, n: usize, work: impl Fn() + Clone + Send + 'static) -> usize {
     for _ in 0..n {
