@@ -280,8 +280,14 @@ fn worker_main<H: Host>(host: Arc<H>, local: Worker<H::Job>) {
         })
     });
     let mut idle_rounds = 0u32;
+    // Counted in `Sleep::spinning` while it looks for work.
+    let mut looking = false;
     loop {
         if let Some(mut job) = pool.find_work() {
+            if looking {
+                looking = false;
+                pool.sleep.found_work();
+            }
             idle_rounds = 0;
             while let Some(next) = host.run(job) {
                 job = next;
@@ -289,8 +295,18 @@ fn worker_main<H: Host>(host: Arc<H>, local: Worker<H::Job>) {
             continue;
         }
         host.idle();
-        if pool.shutdown.load(Ordering::Acquire) && pool.try_exit(&*host) {
-            return;
+        if pool.shutdown.load(Ordering::Acquire) {
+            if looking {
+                looking = false;
+                pool.sleep.stop_spinning();
+            }
+            if pool.try_exit(&*host) {
+                return;
+            }
+        }
+        if !looking {
+            looking = true;
+            pool.sleep.start_spinning();
         }
         // Spin briefly before parking: a frontend recording one node at a time
         // (Async mode) hands out work every few hundred nanoseconds, and a futex
@@ -304,6 +320,8 @@ fn worker_main<H: Host>(host: Arc<H>, local: Worker<H::Job>) {
             std::thread::yield_now();
             continue;
         }
+        looking = false;
+        pool.sleep.stop_spinning();
         pool.sleep
             .sleep(|| pool.has_queued_work() || pool.shutdown.load(Ordering::Acquire));
         idle_rounds = 0;

@@ -10,6 +10,11 @@ pub(crate) struct Sleep {
     /// before the load in [`Sleep::wake`], so that either the sleeper sees the new
     /// work or the waker sees the sleeper.
     sleepers: AtomicUsize,
+    /// Idle workers looking for work, not parked: a producer that sees one
+    /// wakes nobody, and the last one to find work wakes a parked worker to
+    /// take its place (see `README.md`). Written and read around the same
+    /// SeqCst fences as `sleepers`.
+    spinning: AtomicUsize,
     lock: Mutex<()>,
     wakeup: Condvar,
 }
@@ -18,9 +23,35 @@ impl Sleep {
     pub(crate) fn new() -> Self {
         Sleep {
             sleepers: AtomicUsize::new(0),
+            spinning: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wakeup: Condvar::new(),
         }
+    }
+
+    /// Notes an idle worker that starts looking for work.
+    #[inline]
+    pub(crate) fn start_spinning(&self) {
+        self.spinning.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Notes a looking worker that found work; if it was the last one
+    /// looking, wakes a parked worker to look instead (work published while
+    /// it looked may have woken nobody, counting on it).
+    #[inline]
+    pub(crate) fn found_work(&self) {
+        if self.spinning.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.wake(1);
+        }
+    }
+
+    /// Notes a looking worker that stops looking without work (it parks or
+    /// exits next): the check of the queues that follows it (in
+    /// [`Sleep::sleep`], or the pool's exit) finds what was published while
+    /// it looked.
+    #[inline]
+    pub(crate) fn stop_spinning(&self) {
+        self.spinning.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// Parks the calling worker unless `has_work()` (checked after announcing the
@@ -50,7 +81,9 @@ impl Sleep {
             return;
         }
         crate::sync::fence_seq_cst();
-        if self.sleepers.load(Ordering::Relaxed) == 0 {
+        // A looking worker takes the work, or wakes a parked one when it
+        // finds other work (`found_work`), or sees it before it parks.
+        if self.spinning.load(Ordering::Relaxed) > 0 || self.sleepers.load(Ordering::Relaxed) == 0 {
             return;
         }
         self.wake_slow(n);
@@ -98,6 +131,53 @@ mod loom_tests {
             queue.store(true, Ordering::Release);
             sleep.wake(1);
             worker.join().unwrap();
+        });
+    }
+
+    /// Two workers that look for work before they park (as `worker_main`
+    /// does) and one producer that publishes two items and wakes: the
+    /// producer wakes nobody while a worker looks, and the last looker to
+    /// find work wakes a parked one. In every interleaving both items are
+    /// taken (no worker parks forever with an item left). Three threads
+    /// and a condition variable: explored up to three preemptions (loom's
+    /// advice for models of this size; unbounded, it ran past ten minutes).
+    #[test]
+    fn a_looking_worker_stands_in_for_a_wake_up() {
+        use crate::sync::AtomicUsize;
+        let mut model = loom::model::Builder::new();
+        model.preemption_bound = Some(3);
+        model.check(|| {
+            let sleep = Arc::new(Sleep::new());
+            let items = Arc::new(AtomicUsize::new(0));
+            let take = |items: &AtomicUsize| {
+                let mut n = items.load(Ordering::Acquire);
+                while n > 0 {
+                    match items.compare_exchange(n, n - 1, Ordering::AcqRel, Ordering::Acquire) {
+                        Ok(_) => return true,
+                        Err(now) => n = now,
+                    }
+                }
+                false
+            };
+            let workers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (s, q) = (sleep.clone(), items.clone());
+                    loom::thread::spawn(move || loop {
+                        s.start_spinning();
+                        if take(&q) {
+                            s.found_work();
+                            return;
+                        }
+                        s.stop_spinning();
+                        s.sleep(|| q.load(Ordering::Acquire) > 0);
+                    })
+                })
+                .collect();
+            items.store(2, Ordering::Release);
+            sleep.wake(2);
+            for w in workers {
+                w.join().unwrap();
+            }
         });
     }
 }
