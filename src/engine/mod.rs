@@ -640,7 +640,10 @@ impl Engine {
         self.shared().gpus().get(index)
     }
 
-    /// A snapshot of the engine's counters.
+    /// A snapshot of the engine's counters. A node seen finished before the
+    /// call (a blocker on it returned, say) is not in `live_nodes`: the
+    /// completions its workers had not yet counted out (they count in
+    /// groups) are counted out first.
     pub fn stats(&self) -> Stats {
         let shared = self.shared();
         shared.counters.snapshot(

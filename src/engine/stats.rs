@@ -25,7 +25,10 @@ pub struct Stats {
     pub backpressure_stalls: u64,
     /// Recorded nodes not yet finished.
     pub live_nodes: usize,
-    /// Highest `live_nodes` seen since the start or [`crate::Engine::reset_peak`].
+    /// Highest `live_nodes` seen since the start or [`crate::Engine::reset_peak`],
+    /// as the count stood when a node was recorded: it may include nodes that
+    /// had just finished, which workers count out in groups of up to 64 ops
+    /// (the count the backpressure bound applies to).
     pub peak_live_nodes: usize,
     /// Vars whose data is still allocated (handles or pending accesses left).
     pub live_vars: usize,
