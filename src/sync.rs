@@ -78,3 +78,17 @@ impl<T> UnsafeCell<T> {
         self.0.with_mut(f)
     }
 }
+
+/// The calling thread's number, given out in turn to threads as they first
+/// ask: which shard or slot of a structure spread over threads a thread
+/// uses (modulo the structure's count: past that, threads share one).
+/// std's atomic also under loom: placement, not part of a protocol a model
+/// checks.
+#[inline]
+pub(crate) fn thread_number() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    thread_local! {
+        static NUMBER: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    NUMBER.try_with(|n| *n).unwrap_or(0)
+}

@@ -283,11 +283,7 @@ const OWED_SLOTS: usize = 16;
 
 /// The slot of [`Shared::owed`] of the calling worker.
 fn owed_slot() -> usize {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    thread_local! {
-        static SLOT: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % OWED_SLOTS;
-    }
-    SLOT.try_with(|s| *s).unwrap_or(0)
+    crate::sync::thread_number() % OWED_SLOTS
 }
 
 thread_local! {

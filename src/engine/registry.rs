@@ -229,11 +229,7 @@ impl Default for Registry {
 }
 
 fn my_shard() -> usize {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    thread_local! {
-        static SHARD: usize = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % SHARDS;
-    }
-    SHARD.try_with(|s| *s).unwrap_or(0)
+    crate::sync::thread_number() % SHARDS
 }
 
 impl Registry {
