@@ -22,16 +22,28 @@ fn access(var: &VarQueue<u32>, read: bool, write: bool) -> Accesses<'_, u32> {
     a
 }
 
+/// Records a node named `name` with the one access `read`/`write` of `var`
+/// and the job `job`, demanded at once if `demanded`, in fresh memory.
+fn rec1(
+    name: &'static str,
+    var: &VarQueue<u32>,
+    (read, write): (bool, bool),
+    job: u32,
+    demanded: bool,
+) -> (NodeRef<u32>, Option<Ready<u32>>) {
+    record(
+        meta(name),
+        &mut access(var, read, write),
+        |_| job,
+        demanded,
+        None,
+        None,
+    )
+}
+
 /// Records a writer of `x`, the first access to it: ready at once.
 fn first_writer(x: &VarQueue<u32>) -> NodeRef<u32> {
-    let (w, ready) = record(
-        meta("w"),
-        &mut access(x, false, true),
-        |_| 1,
-        true,
-        None,
-        None,
-    );
+    let (w, ready) = rec1("w", x, (false, true), 1, true);
     assert!(ready.is_some());
     w
 }
@@ -39,14 +51,7 @@ fn first_writer(x: &VarQueue<u32>) -> NodeRef<u32> {
 /// Records a reader of `x` whose job is `job`, counted in `handed` if it is
 /// ready at once (and then handed out with it).
 fn reader(x: &VarQueue<u32>, job: u32, handed: &AtomicUsize) -> (NodeRef<u32>, Option<Ready<u32>>) {
-    let (r, ready) = record(
-        meta("r"),
-        &mut access(x, true, false),
-        |_| job,
-        true,
-        None,
-        None,
-    );
+    let (r, ready) = rec1("r", x, (true, false), job, true);
     if ready.is_some() {
         handed.fetch_add(1, Ordering::SeqCst);
     }
@@ -59,22 +64,8 @@ fn reader(x: &VarQueue<u32>, job: u32, handed: &AtomicUsize) -> (NodeRef<u32>, O
 fn the_dependency_count_hands_a_node_out_once() {
     loom::model(|| {
         let (x, y) = (VarQueue::<u32>::default(), VarQueue::<u32>::default());
-        let (a, ready_a) = record(
-            meta("a"),
-            &mut access(&x, false, true),
-            |_| 1,
-            true,
-            None,
-            None,
-        );
-        let (b, ready_b) = record(
-            meta("b"),
-            &mut access(&y, false, true),
-            |_| 2,
-            true,
-            None,
-            None,
-        );
+        let (a, ready_a) = rec1("a", &x, (false, true), 1, true);
+        let (b, ready_b) = rec1("b", &y, (false, true), 2, true);
         assert!(ready_a.is_some() && ready_b.is_some());
         let mut both = access(&x, true, false);
         both.push(Access {
@@ -205,14 +196,7 @@ fn crossed_records_never_wire_a_cycle() {
 fn the_blocker_latch_is_never_missed() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (n, _) = record(
-            meta("n"),
-            &mut access(&x, false, true),
-            |_| 1,
-            true,
-            None,
-            None,
-        );
+        let (n, _) = rec1("n", &x, (false, true), 1, true);
         let n2 = n.clone();
         let t = loom::thread::spawn(move || {
             complete(&n2, Outcome::Done).wake(&mut |_| {});
@@ -232,23 +216,9 @@ fn the_blocker_latch_is_never_missed() {
 fn demand_racing_with_completion_hands_out_once() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (w, ready) = record(
-            meta("w"),
-            &mut access(&x, false, true),
-            |_| 1,
-            true,
-            None,
-            None,
-        );
+        let (w, ready) = rec1("w", &x, (false, true), 1, true);
         assert!(ready.is_some());
-        let (r, ready) = record(
-            meta("r"),
-            &mut access(&x, true, false),
-            |_| 2,
-            false,
-            None,
-            None,
-        );
+        let (r, ready) = rec1("r", &x, (true, false), 2, false);
         assert!(ready.is_none());
         let handed = Arc::new(AtomicUsize::new(0));
         let (w2, h2) = (w.clone(), handed.clone());
@@ -272,14 +242,7 @@ fn demand_racing_with_completion_hands_out_once() {
 fn a_node_is_recorded_into_only_once_finished_and_let_go() {
     loom::model(|| {
         let x = VarQueue::<u32>::default();
-        let (n, ready) = record(
-            meta("n"),
-            &mut access(&x, false, true),
-            |_| 1,
-            true,
-            None,
-            None,
-        );
+        let (n, ready) = rec1("n", &x, (false, true), 1, true);
         // Dropping the Var lets go of its reference (as its last writer): the
         // worker's and the recorder's are the only ones left.
         drop(x);

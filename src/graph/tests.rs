@@ -253,6 +253,19 @@ fn a_waiter_is_woken_by_the_completion() {
 /// the spent job its job was made from (`None` if the spare was not reused or
 /// gave none).
 fn rec_into(var: &Q, spare: NodeRef<u32>, job: u32) -> (Ready<u32>, Option<u32>) {
+    let (_, ready, seen) = write_into(var, Some(spare), None, job);
+    (ready, seen)
+}
+
+/// Records a demanded write of `var` (a first write: ready at once), into
+/// `spare` if it can be reused, with `home` as its pool: the node, its
+/// hand-out, and the spent job its job was made from.
+fn write_into(
+    var: &Q,
+    spare: Option<NodeRef<u32>>,
+    home: Option<&'static NodePool<u32>>,
+    job: u32,
+) -> (NodeRef<u32>, Ready<u32>, Option<u32>) {
     let mut acc: Accesses<'_, u32> = SmallVec::new();
     acc.push(Access {
         var,
@@ -260,7 +273,7 @@ fn rec_into(var: &Q, spare: NodeRef<u32>, job: u32) -> (Ready<u32>, Option<u32>)
         write: true,
     });
     let mut seen = None;
-    let (_, ready) = record(
+    let (node, ready) = record(
         meta("into"),
         &mut acc,
         |spent| {
@@ -268,10 +281,10 @@ fn rec_into(var: &Q, spare: NodeRef<u32>, job: u32) -> (Ready<u32>, Option<u32>)
             job
         },
         true,
-        Some(spare),
-        None,
+        spare,
+        home,
     );
-    (ready.expect("a first write, demanded: ready"), seen)
+    (node, ready.expect("a first write, demanded: ready"), seen)
 }
 
 #[test]
@@ -419,17 +432,7 @@ fn a_listed_node_that_waits_for_another_group_demands_what_it_waits_for() {
 fn a_finished_node_let_go_of_last_anywhere_goes_back_to_its_pool() {
     static POOL: NodePool<u32> = NodePool::new();
     let (x, y) = (Q::default(), Q::default());
-    let write = |var: &Q, job: u32| {
-        let mut acc: Accesses<'_, u32> = SmallVec::new();
-        acc.push(Access {
-            var,
-            read: false,
-            write: true,
-        });
-        let (node, ready) = record(meta("w"), &mut acc, |_| job, true, None, Some(&POOL));
-        (node, ready.expect("demanded, waits for nothing"))
-    };
-    let (a, ready) = write(&x, 1);
+    let (a, ready, _) = write_into(&x, None, Some(&POOL), 1);
     let at = a.key();
     let (job, _) = ready.take_job().unwrap();
     ready.give_back(job);
@@ -443,36 +446,19 @@ fn a_finished_node_let_go_of_last_anywhere_goes_back_to_its_pool() {
     assert!(POOL.take_all().next().is_none());
     // The next write of x moves it to its dependencies (it finished, so
     // none); the last reference goes with them, into the pool.
-    let (b, ready_b) = write(&x, 2);
+    let (b, ready_b, _) = write_into(&x, None, Some(&POOL), 2);
     let mut taken = POOL.take_all();
     let back = taken.next().expect("the last reference went: pooled");
     assert_eq!(back.key(), at);
     assert!(taken.next().is_none());
     drop(taken);
     // Recorded in again, with its spent job.
-    let mut acc: Accesses<'_, u32> = SmallVec::new();
-    acc.push(Access {
-        var: &y,
-        read: false,
-        write: true,
-    });
-    let mut seen = None;
-    let (c, _) = record(
-        meta("again"),
-        &mut acc,
-        |spent| {
-            seen = spent;
-            3
-        },
-        true,
-        Some(back),
-        Some(&POOL),
-    );
+    let (c, ready_c, seen) = write_into(&y, Some(back), Some(&POOL), 3);
     assert_eq!(c.key(), at);
     assert_eq!(seen, Some(1));
     // Nodes let go of unfinished (their queues hold the last references)
     // are freed, not pooled: nothing may be left in use in a pooled node.
-    drop((b, ready_b, c, acc));
+    drop((b, ready_b, c, ready_c));
     drop((x, y));
     assert!(POOL.take_all().next().is_none());
 }
