@@ -43,9 +43,10 @@ mod engine;
 mod error;
 // The module with `unsafe`: the lock-free lists of dependents, the node's
 // job reached without a lock, and the node's own count with the pool its
-// memory goes back to (see `graph/mod.rs`). The only other is a spent job's
-// box written over by the next closure (`engine/job.rs`). Everything else is
-// safe code.
+// memory goes back to (see `graph/mod.rs`). The only others are a spent
+// job's box written over by the next closure (`engine/job.rs`) and a dead
+// Var's memory kept for the next Var of its size (`var/pool.rs`).
+// Everything else is safe code.
 #[allow(unsafe_code)]
 mod graph;
 pub mod nn;

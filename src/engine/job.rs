@@ -2,7 +2,8 @@
 //! next node recorded in the same memory (see `registry.rs`) writes its own
 //! closure into the box and allocates nothing.
 //!
-//! The engine's one `unsafe` is here: a spent box is written over by a
+//! The engine's one `unsafe` is here (`var/pool.rs` does the same for a
+//! Var's storage, keyed by size): a spent box is written over by a
 //! closure of another type when the two have the same size and alignment.
 //! Every call site has a closure type of its own and a program's ops mix
 //! many, so reuse by type alone was a hit for few nodes: `tree` in

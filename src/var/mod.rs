@@ -15,6 +15,12 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+// The module with `unsafe` here: a dead storage's memory kept for the next
+// Var, built in place.
+#[allow(unsafe_code)]
+mod pool;
+use pool::Pooled;
+
 /// A value managed by an engine: every access to it goes through recorded tasks or
 /// blockers, so readers see exactly the writes that precede them in program order.
 ///
@@ -33,7 +39,7 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 /// assert_eq!(counter.get().unwrap(), 3);
 /// ```
 pub struct Var<T> {
-    inner: Arc<Storage<T>>,
+    inner: Pooled<Storage<T>>,
 }
 
 impl<T> Clone for Var<T> {
@@ -81,7 +87,7 @@ impl<T> Var<T> {
         if !empty(s, reset) {
             return;
         }
-        let spare = Spare(Some(self.inner.clone()));
+        let spare = Spare(Some(Arc::clone(&self.inner)));
         if let Some(spares) = &self.inner.spares {
             spares.keep(spare);
         }
@@ -94,8 +100,11 @@ impl<T> Var<T> {
 /// [`crate::Stats::tracked_vars`] while handles are left.
 ///
 /// One allocation per Var (not a handle and a separate block of data that
-/// outlives it): a Var is made for every op's output, and each allocation
-/// the frontend makes is freed on a worker (glibc's slow path).
+/// outlives it): a Var is made for every op's output, and its last token
+/// usually goes on a worker. That memory is not freed there but kept for
+/// the next Var of the same size (see `pool.rs`): freed, it went back to
+/// the frontend's arena under glibc's lock, which the frontend's next
+/// allocation took too.
 pub(crate) struct Storage<T> {
     /// The Var's access queue in the dependency graph.
     queue: VarQueue,
@@ -241,7 +250,7 @@ impl<T> Drop for Storage<T> {
 /// Use it only inside the task it was created for: there the engine has ordered it
 /// after the Var's last write.
 pub struct Read<T> {
-    storage: Arc<Storage<T>>,
+    storage: Pooled<Storage<T>>,
 }
 
 impl<T> Read<T> {
@@ -281,7 +290,7 @@ impl<T> Read<T> {
 /// Use it only inside the task it was created for: there the engine has ordered it
 /// after every earlier access to the Var.
 pub struct Write<T> {
-    storage: Arc<Storage<T>>,
+    storage: Pooled<Storage<T>>,
 }
 
 impl<T> Write<T> {
@@ -364,7 +373,9 @@ impl<T: Default + Send + Sync + 'static> Spare<T> {
         let counters = engine.counters();
         counters.tracked_vars.fetch_add(1, Ordering::Relaxed);
         counters.live_vars.fetch_add(1, Ordering::Relaxed);
-        Var { inner: storage }
+        Var {
+            inner: Pooled::from_arc(storage),
+        }
     }
 }
 
@@ -403,14 +414,14 @@ impl<T: Default> Read<T> {
     /// Lets go of the token, keeping the Var's storage as a [`Spare`] if
     /// this was the last reference to it.
     pub(crate) fn into_spare(self) -> Option<Spare<T>> {
-        into_spare(self.storage)
+        into_spare(self.storage.into_arc())
     }
 }
 
 impl<T: Default> Write<T> {
     /// As [`Read::into_spare`].
     pub(crate) fn into_spare(self) -> Option<Spare<T>> {
-        into_spare(self.storage)
+        into_spare(self.storage.into_arc())
     }
 }
 
@@ -542,7 +553,7 @@ impl Engine {
         counters.tracked_vars.fetch_add(1, Ordering::Relaxed);
         counters.live_vars.fetch_add(1, Ordering::Relaxed);
         Var {
-            inner: Arc::new(Storage {
+            inner: Pooled::new(Storage {
                 queue,
                 engine: self.uncounted(),
                 version: std::sync::atomic::AtomicU64::new(0),
@@ -683,7 +694,10 @@ impl<T> Var<T> {
     {
         self.engine().counters().blocker(true);
         self.settle_read()?;
-        let _borrow = crate::engine::Borrow::new(self.engine().shared().id, self.inner.clone());
+        let _borrow = crate::engine::Borrow::new(
+            self.engine().shared().id,
+            Arc::<Storage<T>>::clone(&self.inner),
+        );
         Ok(f(&self.inner.read()))
     }
 
@@ -720,5 +734,54 @@ impl<T: std::fmt::Debug> std::fmt::Debug for Var<T> {
         f.debug_struct("Var")
             .field("id", &self.queue().key())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::Engine;
+
+    /// A Var whose last token goes on a worker leaves its memory for the
+    /// next Var of its size, on another engine too: the counts of both
+    /// engines stay right, the new Var holds its own value, and the first
+    /// engine's memory is freed (a kept block refers to no engine).
+    #[test]
+    fn a_dead_vars_memory_makes_the_next_var_without_keeping_its_engine() {
+        let a = Engine::builder().workers(1).build().unwrap();
+        let shared = std::sync::Arc::downgrade(&a.shared);
+        // A value size no other test of the crate makes Vars of.
+        let x = a.var([7u64; 5]);
+        let addr = std::sync::Arc::as_ptr(&x.inner) as usize;
+        let mut t = a.task("last token");
+        let w = t.write(&x);
+        t.push(move || w.write()[0] += 1).unwrap();
+        // Lazy: the task runs at the barrier, after the handle went.
+        drop(x);
+        a.wait_all().unwrap();
+        let s = a.stats();
+        assert_eq!((s.live_vars, s.tracked_vars), (0, 0));
+        drop(a);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while shared.strong_count() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(shared.strong_count(), 0, "the engine's memory is freed");
+
+        let b = Engine::builder().workers(1).build().unwrap();
+        let ys: Vec<_> = (0..4u64).map(|i| b.var([i; 5])).collect();
+        assert!(
+            ys.iter()
+                .any(|y| std::sync::Arc::as_ptr(&y.inner) as usize == addr),
+            "the dead Var's memory was reused"
+        );
+        for (i, y) in ys.iter().enumerate() {
+            assert_eq!(y.get().unwrap(), [i as u64; 5]);
+            assert_eq!(y.version(), 0);
+        }
+        let s = b.stats();
+        assert_eq!((s.live_vars, s.tracked_vars), (4, 4));
+        drop(ys);
+        let s = b.stats();
+        assert_eq!((s.live_vars, s.tracked_vars), (0, 0));
     }
 }
