@@ -78,7 +78,7 @@ impl<T> Var<T> {
     /// instructions per op).
     #[cold]
     fn keep_storage(&mut self) {
-        let Some(s) = Arc::get_mut(&mut self.inner) else {
+        let Some(s) = self.inner.get_mut() else {
             return;
         };
         let Some(reset) = s.spares.as_ref().map(|sp| sp.reset) else {
@@ -87,7 +87,7 @@ impl<T> Var<T> {
         if !empty(s, reset) {
             return;
         }
-        let spare = Spare(Some(Arc::clone(&self.inner)));
+        let spare = Spare(Some(self.inner.clone()));
         if let Some(spares) = &self.inner.spares {
             spares.keep(spare);
         }
@@ -121,7 +121,7 @@ pub(crate) struct Storage<T> {
     spares: Option<Arc<Spares<T>>>,
 }
 
-impl<T: Send + Sync> Tracked for Storage<T> {
+impl<T: Send + Sync> Tracked for Pooled<Storage<T>> {
     fn queue(&self) -> &VarQueue {
         &self.queue
     }
@@ -265,7 +265,7 @@ impl<T> Read<T> {
 
     /// Identifies the data (equal for tokens of the same Var).
     pub(crate) fn data_id(&self) -> usize {
-        Arc::as_ptr(&self.storage) as *const () as usize
+        self.storage.as_ptr() as *const () as usize
     }
 
     /// Borrows the data without noting the guard on this thread: for the
@@ -328,20 +328,20 @@ impl<T> Write<T> {
 
     /// Identifies the data (equal for tokens of the same Var).
     pub(crate) fn data_id(&self) -> usize {
-        Arc::as_ptr(&self.storage) as *const () as usize
+        self.storage.as_ptr() as *const () as usize
     }
 
     /// How many handles and tokens reach the data, this one included: 1 means
     /// nothing else can ever read what is written through this token.
     pub(crate) fn reach(&self) -> usize {
-        Arc::strong_count(&self.storage)
+        self.storage.count()
     }
 }
 
 /// The storage of a dead Var, emptied, to make a new Var in without an
 /// allocation (see [`Spares`]); `None` once made into a Var. Not counted in
 /// [`crate::Stats::live_vars`].
-pub(crate) struct Spare<T>(Option<Arc<Storage<T>>>);
+pub(crate) struct Spare<T>(Option<Pooled<Storage<T>>>);
 
 impl<T> Drop for Spare<T> {
     fn drop(&mut self) {
@@ -373,17 +373,15 @@ impl<T: Default + Send + Sync + 'static> Spare<T> {
         let counters = engine.counters();
         counters.tracked_vars.fetch_add(1, Ordering::Relaxed);
         counters.live_vars.fetch_add(1, Ordering::Relaxed);
-        Var {
-            inner: Pooled::from_arc(storage),
-        }
+        Var { inner: storage }
     }
 }
 
 /// Empties `storage` into a [`Spare`] if nothing else reaches it (the Var is
 /// dead: no handle, no other token): its value and its queue are dropped
 /// here, on the calling thread.
-fn into_spare<T: Default>(mut storage: Arc<Storage<T>>) -> Option<Spare<T>> {
-    let s = Arc::get_mut(&mut storage)?;
+fn into_spare<T: Default>(mut storage: Pooled<Storage<T>>) -> Option<Spare<T>> {
+    let s = storage.get_mut()?;
     empty(s, |v| *v = T::default()).then(|| Spare(Some(storage)))
 }
 
@@ -414,14 +412,14 @@ impl<T: Default> Read<T> {
     /// Lets go of the token, keeping the Var's storage as a [`Spare`] if
     /// this was the last reference to it.
     pub(crate) fn into_spare(self) -> Option<Spare<T>> {
-        into_spare(self.storage.into_arc())
+        into_spare(self.storage)
     }
 }
 
 impl<T: Default> Write<T> {
     /// As [`Read::into_spare`].
     pub(crate) fn into_spare(self) -> Option<Spare<T>> {
-        into_spare(self.storage.into_arc())
+        into_spare(self.storage)
     }
 }
 
@@ -633,7 +631,7 @@ impl<T> Var<T> {
 
     /// Whether two handles refer to the same data.
     pub fn same(&self, other: &Var<T>) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
+        Pooled::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Explicit blocker: runs exactly the recorded work this value depends on (and
@@ -694,10 +692,10 @@ impl<T> Var<T> {
     {
         self.engine().counters().blocker(true);
         self.settle_read()?;
-        let _borrow = crate::engine::Borrow::new(
-            self.engine().shared().id,
-            Arc::<Storage<T>>::clone(&self.inner),
-        );
+        // The list of borrowed Vars is type-erased: a reference in an `Arc`
+        // (an allocation per call, on a path that waits anyway).
+        let _borrow =
+            crate::engine::Borrow::new(self.engine().shared().id, Arc::new(self.inner.clone()));
         Ok(f(&self.inner.read()))
     }
 
@@ -751,7 +749,7 @@ mod tests {
         let shared = std::sync::Arc::downgrade(&a.shared);
         // A value size no other test of the crate makes Vars of.
         let x = a.var([7u64; 5]);
-        let addr = std::sync::Arc::as_ptr(&x.inner) as usize;
+        let addr = x.inner.as_ptr() as usize;
         let mut t = a.task("last token");
         let w = t.write(&x);
         t.push(move || w.write()[0] += 1).unwrap();
@@ -770,8 +768,7 @@ mod tests {
         let b = Engine::builder().workers(1).build().unwrap();
         let ys: Vec<_> = (0..4u64).map(|i| b.var([i; 5])).collect();
         assert!(
-            ys.iter()
-                .any(|y| std::sync::Arc::as_ptr(&y.inner) as usize == addr),
+            ys.iter().any(|y| y.inner.as_ptr() as usize == addr),
             "the dead Var's memory was reused"
         );
         for (i, y) in ys.iter().enumerate() {

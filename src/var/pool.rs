@@ -23,8 +23,8 @@
 //! engine retires, and a block of one engine's Var is reused for another's.
 //! Blocks are classed by the size of the storage (every storage has the
 //! same alignment), so `Var<()>` and `Var<u64>` storages, say, each have a
-//! stack, and `Arc::from_raw` is documented to accept a pointer that came
-//! from an `Arc` of another type of the same size and alignment.
+//! stack; memory is given back to the allocator with the size and
+//! alignment it was allocated with, whatever type was built in it since.
 //!
 //! Bounds: storages of up to [`LARGEST`] bytes are kept, and a class keeps
 //! at most [`KEPT_BYTES`] of them on its stack (a storage pushed past that is
@@ -34,13 +34,13 @@
 
 use crossbeam_utils::CachePadded;
 use std::cell::Cell;
-use std::mem::{ManuallyDrop, MaybeUninit};
-use std::ptr;
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
+use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
-use std::sync::Arc;
 
-/// Largest storage kept, in bytes (a Var's queue, counts and lock take about
-/// 120 of them; the rest is room for a small value).
+/// Largest storage kept, in bytes, with its count (a Var's queue, counts
+/// and lock take about 128 of them; the rest is room for a small value).
 pub(crate) const LARGEST: usize = 512;
 /// Most bytes of storages one size class keeps on its stack.
 pub(crate) const KEPT_BYTES: usize = 256 << 10;
@@ -111,15 +111,24 @@ const fn class_of<S>() -> Option<usize> {
     Some(size / ALIGN)
 }
 
-/// Frees a kept block that was allocated as an `Arc<S>`.
+/// A value with the count of its references, in one allocation (`repr(C)`:
+/// the value at the same offset whatever its type, so that a value built in
+/// a block has the address the block's last value had).
+#[repr(C)]
+struct Counted<S> {
+    refs: AtomicUsize,
+    value: S,
+}
+
+/// Frees a kept block that was allocated as a `Counted<S>`.
 ///
 /// # Safety
-/// `b` came from [`keep`] for this `S`, and nothing else reaches it.
+/// `b` came from [`Pooled`]'s drop for this `S`, and nothing else reaches it.
 unsafe fn free<S>(b: *mut Block) {
-    // SAFETY: an `Arc<S>`'s value pointer with its count at one; as a
-    // `MaybeUninit<S>` (same size and alignment) the dropped value is not
-    // dropped again, and the memory goes back with `S`'s layout.
-    drop(unsafe { Arc::from_raw(b.cast::<MaybeUninit<S>>().cast_const()) });
+    // SAFETY: a `Box<Counted<S>>`'s memory whose value was dropped: as a
+    // `MaybeUninit` (same size and alignment) nothing is dropped again,
+    // and the memory goes back with the layout it was allocated with.
+    drop(unsafe { Box::from_raw(b.cast::<MaybeUninit<Counted<S>>>()) });
 }
 
 /// A block of `class` to build a value in: from this thread's list, else
@@ -182,53 +191,140 @@ fn push(class: usize, b: *mut Block) {
     }
 }
 
-/// `Arc::new(value)`, built in the memory of a dead value of the same size
-/// where one is kept.
-fn new_arc<S>(value: S) -> Arc<S> {
-    let Some(b) = class_of::<S>().and_then(take) else {
-        return Arc::new(value);
-    };
-    let p = b.cast::<S>();
-    // SAFETY: a kept block of `S`'s size and alignment is the value of an
-    // `Arc` with its count at one whose value was dropped (see `keep`);
-    // only this thread reaches it. Writing the value makes it that `Arc`'s
-    // again, and `from_raw` takes the one reference back.
-    unsafe {
-        p.write(value);
-        Arc::from_raw(p.cast_const())
+/// A counted reference to a value (`Arc`'s protocol, without weak
+/// references), whose last reference drops the value where it goes and
+/// keeps the memory for the next [`Pooled::new`] of the same size (see the
+/// module's comment).
+///
+/// Its own count and not an `Arc`'s: to see that a reference is the last,
+/// an `Arc` must be read before its decrement (`strong_count`), and on a
+/// count that the recorder and a worker both change (every token of a Var
+/// clones it on the recorder and drops it on a worker) that read is one
+/// more transfer of the cache line: `node_cost chain` (no Var per node,
+/// a token per node) ran 10% slower with it. Here the decrement itself
+/// says so, as in `Arc`'s own drop.
+pub(crate) struct Pooled<S> {
+    ptr: NonNull<Counted<S>>,
+    _owns: PhantomData<Counted<S>>,
+}
+
+// SAFETY: as `Arc<S>`: the value is shared between threads and dropped on
+// whichever lets go of it last.
+unsafe impl<S: Send + Sync> Send for Pooled<S> {}
+// SAFETY: as `Arc<S>`.
+unsafe impl<S: Send + Sync> Sync for Pooled<S> {}
+
+impl<S> Pooled<S> {
+    /// `value` in a kept block when there is one, else a new allocation.
+    #[inline]
+    pub(crate) fn new(value: S) -> Self {
+        let counted = Counted {
+            refs: AtomicUsize::new(1),
+            value,
+        };
+        let ptr = match class_of::<Counted<S>>().and_then(take) {
+            Some(b) => {
+                let p = b.cast::<Counted<S>>();
+                // SAFETY: a kept block of `Counted<S>`'s size and
+                // alignment, a `Box`'s memory holding nothing (its value
+                // was dropped) that only this thread reaches.
+                unsafe { p.write(counted) };
+                // SAFETY: not null (a block of a list).
+                unsafe { NonNull::new_unchecked(p) }
+            }
+            None => NonNull::from(Box::leak(Box::new(counted))),
+        };
+        Pooled {
+            ptr,
+            _owns: PhantomData,
+        }
+    }
+
+    fn counted(&self) -> &Counted<S> {
+        // SAFETY: alive while a reference (this one) is.
+        unsafe { self.ptr.as_ref() }
+    }
+
+    /// The value, mutably, if this is its only reference.
+    pub(crate) fn get_mut(&mut self) -> Option<&mut S> {
+        // Acquire: every use through a reference dropped elsewhere happens
+        // before what the caller does here (as `Arc::get_mut`).
+        if self.counted().refs.load(Ordering::Acquire) != 1 {
+            return None;
+        }
+        // SAFETY: the one reference, borrowed mutably: nothing else can
+        // reach the value or make another reference meanwhile.
+        Some(unsafe { &mut self.ptr.as_mut().value })
+    }
+
+    /// How many references there are (this one included).
+    pub(crate) fn count(&self) -> usize {
+        self.counted().refs.load(Ordering::Acquire)
+    }
+
+    /// The value's address: equal for references to the same value.
+    pub(crate) fn as_ptr(&self) -> *const S {
+        &self.counted().value
+    }
+
+    pub(crate) fn ptr_eq(a: &Self, b: &Self) -> bool {
+        a.ptr == b.ptr
     }
 }
 
-/// Lets go of `arc`; if it was the last reference, drops its value here and
-/// keeps the memory (see the module's comment).
-#[inline]
-fn release<S>(arc: Arc<S>) {
-    // Another reference left: an ordinary drop (which frees the memory if
-    // that reference went meanwhile: a block missed, no more).
-    if class_of::<S>().is_none() || Arc::strong_count(&arc) != 1 {
-        return drop(arc);
+impl<S> Clone for Pooled<S> {
+    #[inline]
+    fn clone(&self) -> Self {
+        // Relaxed, as `Arc::clone`: a new reference comes from one held.
+        let old = self.counted().refs.fetch_add(1, Ordering::Relaxed);
+        if old > isize::MAX as usize {
+            // As `Arc`: a count this high means references were leaked.
+            std::process::abort();
+        }
+        Pooled {
+            ptr: self.ptr,
+            _owns: PhantomData,
+        }
     }
-    keep(arc);
 }
 
-fn keep<S>(mut arc: Arc<S>) {
-    let Some(class) = class_of::<S>() else {
-        return drop(arc);
-    };
-    // Acquire inside: every use through a reference dropped elsewhere
-    // happens before the drop here.
-    if Arc::get_mut(&mut arc).is_none() {
-        return drop(arc);
+impl<S> std::ops::Deref for Pooled<S> {
+    type Target = S;
+    #[inline]
+    fn deref(&self) -> &S {
+        &self.counted().value
     }
-    let p = Arc::into_raw(arc).cast_mut();
-    // SAFETY: the one reference (`get_mut` succeeded, and no `Weak` of a
-    // storage is ever made), taken out of its `Arc`: the value is dropped
-    // once, and its memory is not read as an `S` until a `new_arc` writes
+}
+
+impl<S> Drop for Pooled<S> {
+    #[inline]
+    fn drop(&mut self) {
+        // Release, then an Acquire load, as `Arc`'s drop: every use through
+        // another reference happens before the value is dropped.
+        if self.counted().refs.fetch_sub(1, Ordering::Release) != 1 {
+            return;
+        }
+        let _ = self.counted().refs.load(Ordering::Acquire);
+        keep(self.ptr.as_ptr());
+    }
+}
+
+/// Drops the value of a `Counted<S>` nothing else reaches any more and keeps
+/// its memory, or frees it (a size that is not kept).
+fn keep<S>(p: *mut Counted<S>) {
+    let Some(class) = class_of::<Counted<S>>() else {
+        // SAFETY: allocated by `Box` (a size not kept is never built in a
+        // block), and the last reference is gone.
+        drop(unsafe { Box::from_raw(p) });
+        return;
+    };
+    // SAFETY: the last reference is gone: the value is dropped once, and
+    // its memory is not read as a `Counted<S>` until `Pooled::new` writes
     // a new one. A panic in the value's drop leaks the block.
     unsafe { ptr::drop_in_place(p) };
     let b = p.cast::<Block>();
-    // SAFETY: `S` is at least a `Block` in size and alignment (`class_of`),
-    // and its memory holds nothing now.
+    // SAFETY: `Counted<S>` is at least a `Block` in size and alignment
+    // (`class_of`), and its memory holds nothing now.
     unsafe {
         b.write(Block {
             next: ptr::null_mut(),
@@ -238,67 +334,14 @@ fn keep<S>(mut arc: Arc<S>) {
     push(class, b);
 }
 
-/// An `Arc<S>` whose last reference keeps the memory for the next
-/// [`Pooled::new`] of the same size (see the module's comment).
-pub(crate) struct Pooled<S>(ManuallyDrop<Arc<S>>);
-
-impl<S> Pooled<S> {
-    /// `value` in a kept block when there is one, else a new allocation.
-    #[inline]
-    pub(crate) fn new(value: S) -> Self {
-        Pooled(ManuallyDrop::new(new_arc(value)))
-    }
-
-    pub(crate) fn from_arc(arc: Arc<S>) -> Self {
-        Pooled(ManuallyDrop::new(arc))
-    }
-
-    /// The `Arc`, whose last reference frees its memory as usual.
-    pub(crate) fn into_arc(self) -> Arc<S> {
-        let mut me = ManuallyDrop::new(self);
-        // SAFETY: taken once; `me` is not dropped.
-        unsafe { ManuallyDrop::take(&mut me.0) }
-    }
-}
-
-impl<S> Clone for Pooled<S> {
-    #[inline]
-    fn clone(&self) -> Self {
-        Pooled(self.0.clone())
-    }
-}
-
-impl<S> std::ops::Deref for Pooled<S> {
-    type Target = Arc<S>;
-    #[inline]
-    fn deref(&self) -> &Arc<S> {
-        &self.0
-    }
-}
-
-impl<S> std::ops::DerefMut for Pooled<S> {
-    #[inline]
-    fn deref_mut(&mut self) -> &mut Arc<S> {
-        &mut self.0
-    }
-}
-
-impl<S> Drop for Pooled<S> {
-    #[inline]
-    fn drop(&mut self) {
-        // SAFETY: taken once, in the drop.
-        release(unsafe { ManuallyDrop::take(&mut self.0) });
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// A value that counts its drops.
-    struct Counted<'a>(&'a AtomicUsize, [u64; 3]);
+    struct Noted<'a>(&'a AtomicUsize, [u64; 3]);
 
-    impl Drop for Counted<'_> {
+    impl Drop for Noted<'_> {
         fn drop(&mut self) {
             self.0.fetch_add(1, Ordering::Relaxed);
         }
@@ -307,13 +350,14 @@ mod tests {
     #[test]
     fn the_last_reference_drops_the_value_once_and_the_memory_is_reused() {
         let drops = AtomicUsize::new(0);
-        let a = Pooled::new(Counted(&drops, [1, 2, 3]));
-        let b = a.clone();
-        let counted: &Counted = &b;
-        assert_eq!(counted.1, [1, 2, 3]);
-        let addr = Arc::as_ptr(&a) as usize;
+        let a = Pooled::new(Noted(&drops, [1, 2, 3]));
+        let mut b = a.clone();
+        assert_eq!((b.1, a.count()), ([1, 2, 3], 2));
+        assert!(b.get_mut().is_none(), "not the only reference");
+        let addr = a.as_ptr() as usize;
         drop(a);
         assert_eq!(drops.load(Ordering::Relaxed), 0, "a reference is left");
+        assert_eq!(b.get_mut().map(|n| n.1[2]), Some(3));
         drop(b);
         assert_eq!(drops.load(Ordering::Relaxed), 1);
         // Same size and alignment, another type: built in the kept block
@@ -321,9 +365,10 @@ mod tests {
         // unless another test's block of that class came after: so look
         // among the next few).
         let next: Vec<_> = (0..8).map(|i| Pooled::new([i as u64; 4])).collect();
-        assert!(next.iter().any(|p| Arc::as_ptr(p) as usize == addr));
+        assert!(next.iter().any(|p| p.as_ptr() as usize == addr));
         for (i, p) in next.iter().enumerate() {
-            assert_eq!(***p, [i as u64; 4], "a value built in a kept block");
+            assert_eq!(**p, [i as u64; 4], "a value built in a kept block");
+            assert_eq!(p.count(), 1);
         }
         drop(next);
         assert_eq!(drops.load(Ordering::Relaxed), 1, "never dropped again");
@@ -332,29 +377,28 @@ mod tests {
     #[test]
     fn a_last_reference_on_another_thread_keeps_the_block_for_this_one() {
         let drops = AtomicUsize::new(0);
-        // A class no other test uses: 7 words.
-        struct Seven<'a>(Counted<'a>, [u64; 3]);
-        let v = Pooled::new(Seven(Counted(&drops, [4; 3]), [5; 3]));
-        let seven: &Seven = &v;
-        assert_eq!((seven.0 .1, seven.1), ([4; 3], [5; 3]));
-        let addr = Arc::as_ptr(&v) as usize;
+        // A class no other test uses: 8 words with the count.
+        struct Seven<'a>(Noted<'a>, [u64; 3]);
+        let v = Pooled::new(Seven(Noted(&drops, [4; 3]), [5; 3]));
+        assert_eq!((v.0 .1, v.1), ([4; 3], [5; 3]));
+        let addr = v.as_ptr() as usize;
         std::thread::scope(|s| {
             s.spawn(move || drop(v));
         });
         assert_eq!(drops.load(Ordering::Relaxed), 1);
         let w = Pooled::new([9u64; 7]);
-        assert_eq!(Arc::as_ptr(&w) as usize, addr, "the block came back");
-        assert_eq!(**w, [9; 7]);
+        assert_eq!(w.as_ptr() as usize, addr, "the block came back");
+        assert_eq!(*w, [9; 7]);
     }
 
     #[test]
     fn a_full_class_frees_what_it_cannot_keep() {
-        // 13 words: a class no other test uses (a Var's storage is larger);
-        // its stack keeps 2,520 blocks.
-        let most = KEPT_BYTES / size_of::<[u64; 13]>();
-        let all: Vec<_> = (0..most + 100).map(|_| Pooled::new([1u64; 13])).collect();
+        // 13 words with the count: a class no other test uses (a Var's
+        // storage is larger); its stack keeps 2,520 blocks.
+        let most = KEPT_BYTES / size_of::<Counted<[u64; 12]>>();
+        let all: Vec<_> = (0..most + 100).map(|_| Pooled::new([1u64; 12])).collect();
         drop(all);
-        let class = class_of::<[u64; 13]>().unwrap();
+        let class = class_of::<Counted<[u64; 12]>>().unwrap();
         let mut on_stack = 0;
         let mut at = STACKS[class].head.load(Ordering::Acquire);
         while !at.is_null() {
@@ -367,16 +411,17 @@ mod tests {
 
     #[test]
     fn values_too_large_or_too_aligned_are_not_kept() {
-        assert_eq!(class_of::<[u64; LARGEST / 8 + 1]>(), None);
+        assert_eq!(class_of::<Counted<[u64; LARGEST / 8]>>(), None);
         #[repr(align(64))]
         struct Wide([u8; 64]);
-        assert_eq!(class_of::<Wide>(), None);
-        assert_eq!(class_of::<u8>(), None);
-        // Still built and dropped as any `Arc`.
-        let w = Pooled::new(Wide([3; 64]));
-        let wide: &Wide = &w;
-        assert_eq!(wide.0[63], 3);
-        let arc = Pooled::new([5u64; 2]).into_arc();
-        assert_eq!(*arc, [5, 5]);
+        assert_eq!(class_of::<Counted<Wide>>(), None);
+        // Still built, shared and dropped, from and back to the allocator.
+        let drops = AtomicUsize::new(0);
+        let w = Pooled::new((Wide([3; 64]), Noted(&drops, [0; 3])));
+        let v = w.clone();
+        drop(w);
+        assert_eq!((v.0 .0[63], drops.load(Ordering::Relaxed)), (3, 0));
+        drop(v);
+        assert_eq!(drops.load(Ordering::Relaxed), 1);
     }
 }
