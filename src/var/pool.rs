@@ -29,8 +29,9 @@
 //! Bounds: storages of up to [`LARGEST`] bytes are kept, and a class keeps
 //! at most [`KEPT_BYTES`] of them on its stack (a storage pushed past that is
 //! freed), so a program that made a million Vars once does not keep their
-//! memory. A thread keeps what it took until it uses it or exits (then it is
-//! freed).
+//! memory. A thread keeps what it took (at most a stack's worth) until it
+//! uses it or exits, then it is freed: per class, a stack and a list per
+//! thread that makes Vars of that size.
 
 use crossbeam_utils::CachePadded;
 use std::cell::Cell;
@@ -60,9 +61,10 @@ struct Block {
 /// One size class's stack of kept blocks.
 struct Class {
     head: AtomicPtr<Block>,
-    /// About how many blocks the stack holds: raised before a push links
-    /// its block, zeroed by a take after its swap, so it can run short by
-    /// the pushes in flight at a take, never grow without bound.
+    /// About how many blocks the stack holds: raised (up to the class's
+    /// most, in one step: see `admit`) before a push links its block,
+    /// zeroed by a take after its swap, so it can run short by the pushes
+    /// in flight at a take, never grow without bound.
     kept: AtomicUsize,
 }
 
@@ -166,12 +168,21 @@ fn take_stack(class: usize) -> *mut Block {
     head
 }
 
+/// Counts one more block kept, unless `most` are: one step, so that a
+/// take's zeroing cannot fall between a raise and its undoing (the count
+/// wrapped then, and with the stack empty nothing zeroed it again).
+fn admit(kept: &AtomicUsize, most: usize) -> bool {
+    kept.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |k| {
+        (k < most).then_some(k + 1)
+    })
+    .is_ok()
+}
+
 /// Pushes a block of `class` on its stack, or frees it if the stack is full.
 fn push(class: usize, b: *mut Block) {
     let stack = &STACKS[class];
     let most = KEPT_BYTES / (class * ALIGN);
-    if stack.kept.fetch_add(1, Ordering::Relaxed) >= most {
-        stack.kept.fetch_sub(1, Ordering::Relaxed);
+    if !admit(&stack.kept, most) {
         // SAFETY: the caller's block, which nothing else reaches.
         unsafe { ((*b).free)(b) };
         return;
@@ -361,11 +372,10 @@ mod tests {
         drop(b);
         assert_eq!(drops.load(Ordering::Relaxed), 1);
         // Same size and alignment, another type: built in the kept block
-        // (this thread takes the class's stack, whose newest block is it,
-        // unless another test's block of that class came after: so look
-        // among the next few).
+        // (this thread takes the class's stack, which holds it: no other
+        // test keeps this size, see `the_tests_sizes_are_not_a_vars`).
         let next: Vec<_> = (0..8).map(|i| Pooled::new([i as u64; 4])).collect();
-        assert!(next.iter().any(|p| p.as_ptr() as usize == addr));
+        assert_eq!(next[0].as_ptr() as usize, addr);
         for (i, p) in next.iter().enumerate() {
             assert_eq!(**p, [i as u64; 4], "a value built in a kept block");
             assert_eq!(p.count(), 1);
@@ -399,14 +409,62 @@ mod tests {
         let all: Vec<_> = (0..most + 100).map(|_| Pooled::new([1u64; 12])).collect();
         drop(all);
         let class = class_of::<Counted<[u64; 12]>>().unwrap();
+        assert_eq!(STACKS[class].kept.load(Ordering::Relaxed), most);
+        // Taken, the list is this thread's alone to walk.
+        let mut at = take_stack(class);
+        let taken = at;
         let mut on_stack = 0;
-        let mut at = STACKS[class].head.load(Ordering::Acquire);
         while !at.is_null() {
             on_stack += 1;
-            // SAFETY: no other thread uses this class in these tests.
+            // SAFETY: a list this thread took.
             at = unsafe { (*at).next };
         }
+        free_list(taken);
         assert_eq!(on_stack, most);
+    }
+
+    /// The sizes these tests keep are classes of their own: smaller than
+    /// any Var's storage, which other tests of the crate make at once.
+    #[test]
+    fn the_tests_sizes_are_not_a_vars() {
+        let var = size_of::<Counted<super::super::Storage<()>>>();
+        for size in [
+            size_of::<Counted<Noted>>(),
+            size_of::<Counted<[u64; 7]>>(),
+            size_of::<Counted<[u64; 12]>>(),
+        ] {
+            assert!(size < var, "{size} bytes, a Var's storage {var}");
+        }
+    }
+
+    /// A push to a full class racing a take that empties it: the count of
+    /// kept blocks must not wrap (it did when a push's raise and its
+    /// undoing were two steps and the take's zeroing fell between them;
+    /// with the stack empty, nothing zeroed it again and the class freed
+    /// every block from then on).
+    #[test]
+    fn a_take_racing_a_push_to_a_full_class_leaves_a_true_count() {
+        let kept = AtomicUsize::new(0);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let rounds = if cfg!(miri) { 100 } else { 2_000_000 };
+        let wrapped = std::thread::scope(|s| {
+            // The take's zeroing, over and over.
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    kept.store(0, Ordering::Relaxed);
+                }
+            });
+            let mut wrapped = 0;
+            for _ in 0..rounds {
+                admit(&kept, 1);
+                if kept.load(Ordering::Relaxed) > 1 {
+                    wrapped += 1;
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            wrapped
+        });
+        assert_eq!(wrapped, 0, "a class of 1 block counted more");
     }
 
     #[test]
