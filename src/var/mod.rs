@@ -170,7 +170,7 @@ const HELD_INLINE: usize = 16;
 /// (a storage's, 8-aligned) with its low bit set for a write guard. In
 /// place and with no destructor, so that noting a guard is a few
 /// instructions: a task that reads many Vars takes a guard per read, and a
-/// `RefCell<Vec>` cost about 110 instructions per guard taken and let go
+/// `RefCell<Vec>` cost about 100 instructions per guard taken and let go
 /// of (`node_cost many_reads` under callgrind, a tenth of all).
 struct HeldList {
     len: Cell<usize>,
