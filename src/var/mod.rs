@@ -11,7 +11,7 @@ use crate::error::{Result, SharedError};
 use crate::sync::Ordering;
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::AtomicUsize;
-// std, not `crate::sync`: handles are type-erased (`Arc<dyn KeepAlive>`), which
+// std, not `crate::sync`: handles are type-erased (`Arc<dyn Tracked>`), which
 // loom's Arc cannot do; the loom models do not involve Vars.
 use std::sync::Arc;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};

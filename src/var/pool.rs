@@ -42,9 +42,9 @@ use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
 /// Largest storage kept, in bytes, with its count (a Var's queue, counts
 /// and lock take about 128 of them; the rest is room for a small value).
-pub(crate) const LARGEST: usize = 512;
+const LARGEST: usize = 512;
 /// Most bytes of storages one size class keeps on its stack.
-pub(crate) const KEPT_BYTES: usize = 256 << 10;
+const KEPT_BYTES: usize = 256 << 10;
 /// Every class holds storages of this alignment (a storage holds a `u64`
 /// counter; a value of larger alignment is not kept).
 const ALIGN: usize = 8;
