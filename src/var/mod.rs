@@ -57,11 +57,7 @@ impl<T> Drop for Var<T> {
         // Release: the handle's last use happens before a thread that sees the
         // count at zero (the batch deciding a value is not kept) acts on it.
         if self.inner.handles.fetch_sub(1, Ordering::Release) == 1 {
-            self.inner
-                .engine
-                .counters()
-                .tracked_vars
-                .fetch_sub(1, Ordering::Relaxed);
+            self.inner.engine.counters().tracked_vars.lower();
             if self.inner.spares.is_some() {
                 self.keep_storage();
             }
@@ -289,10 +285,7 @@ impl<T> std::ops::DerefMut for WriteGuard<'_, T> {
 
 impl<T> Drop for Storage<T> {
     fn drop(&mut self) {
-        self.engine
-            .counters()
-            .live_vars
-            .fetch_sub(1, Ordering::Relaxed);
+        self.engine.counters().live_vars.lower();
     }
 }
 
@@ -398,10 +391,7 @@ impl<T> Drop for Spare<T> {
     fn drop(&mut self) {
         if let Some(s) = &self.0 {
             // The storage's own drop counts it out again.
-            s.engine
-                .counters()
-                .live_vars
-                .fetch_add(1, Ordering::Relaxed);
+            s.engine.counters().live_vars.raise();
         }
     }
 }
@@ -422,8 +412,8 @@ impl<T: Default + Send + Sync + 'static> Spare<T> {
         debug_assert!(storage.engine.same(engine), "spares are per engine");
         storage.handles.store(1, Ordering::Relaxed);
         let counters = engine.counters();
-        counters.tracked_vars.fetch_add(1, Ordering::Relaxed);
-        counters.live_vars.fetch_add(1, Ordering::Relaxed);
+        counters.tracked_vars.raise();
+        counters.live_vars.raise();
         Var { inner: storage }
     }
 }
@@ -452,10 +442,7 @@ fn empty<T>(s: &mut Storage<T>, reset: impl FnOnce(&mut T)) -> bool {
     s.queue = VarQueue::new(None);
     *s.version.get_mut() = 0;
     *s.handles.get_mut() = 0;
-    s.engine
-        .counters()
-        .live_vars
-        .fetch_sub(1, Ordering::Relaxed);
+    s.engine.counters().live_vars.lower();
     true
 }
 
@@ -599,8 +586,8 @@ impl Engine {
         spares: Option<Arc<Spares<T>>>,
     ) -> Var<T> {
         let counters = self.counters();
-        counters.tracked_vars.fetch_add(1, Ordering::Relaxed);
-        counters.live_vars.fetch_add(1, Ordering::Relaxed);
+        counters.tracked_vars.raise();
+        counters.live_vars.raise();
         Var {
             inner: Pooled::new(Storage {
                 queue,
