@@ -43,8 +43,9 @@ mod engine;
 mod error;
 // The module with `unsafe`: the lock-free lists of dependents, the node's
 // job reached without a lock, and the node's own count with the pool its
-// memory goes back to (see `graph/mod.rs`). The only others are a spent
-// job's box written over by the next closure (`engine/job.rs`) and a dead
+// memory goes back to (see `graph/mod.rs`). The only others are a node's
+// small closure kept in place and a spent job's box written over by the
+// next closure (`engine/job.rs`), and a dead
 // Var's memory kept for the next Var of its size (`var/pool.rs`).
 // Everything else is safe code.
 #[allow(unsafe_code)]

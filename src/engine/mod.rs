@@ -13,8 +13,9 @@
 
 mod builder;
 mod deadlock;
-// The engine's one `unsafe`: a spent job's box written over by the next
-// closure of the same layout (see `job.rs`).
+// The engine's one `unsafe`: a small closure kept in the node's job in
+// place, and a spent job's box written over by the next closure of the same
+// layout (see `job.rs`).
 #[allow(unsafe_code)]
 mod job;
 mod life;
