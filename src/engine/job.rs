@@ -6,10 +6,10 @@
 //! worker that runs the node reads the closure from the node's own lines
 //! instead of from a box the frontend wrote elsewhere. Every shape of
 //! `benches/scheduler.rs` records such closures (two or three tokens, or a
-//! `Vec` of them and a token); a box per node was half of the allocations
-//! of `tree` and `random_dag`: a fresh node (one taken from the allocator,
-//! not a finished one reused) came with a fresh box, and a reused node's
-//! box was freed when the next closure had another size.
+//! `Vec` of them and a token); their boxes were about a fifth of the
+//! allocations of `tree` and `random_dag`: a fresh node (one taken from the
+//! allocator, not a finished one reused) came with a fresh box, and a
+//! reused node's box was freed when the next closure had another size.
 //!
 //! **Boxed.** A larger closure, or a deferred one (see [`deferred_job`]),
 //! is boxed, and the box outlives the call, so that the next node recorded
