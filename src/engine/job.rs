@@ -84,13 +84,12 @@ impl Job {
         match &mut self.0 {
             Kind::Boxed(b) => b.call(),
             Kind::Spent => Ok(()),
-            Kind::Inline { .. } => {
-                // Marked spent before the call: a panic in it drops the
-                // closure (it was read out), and the job holds nothing.
-                let Kind::Inline { ops, mut data } = std::mem::replace(&mut self.0, Kind::Spent)
-                else {
-                    unreachable!("matched above")
-                };
+            Kind::Inline { ops, data } => {
+                // The bytes copied out and the job marked spent before the
+                // call: a panic in it drops the closure (it was read out),
+                // and the job holds nothing.
+                let (ops, mut data) = (*ops, *data);
+                self.0 = Kind::Spent;
                 // SAFETY: `data` holds the closure `ops` was made for, and
                 // the job no longer does.
                 unsafe { (ops.call)(data.as_mut_ptr().cast()) }
@@ -103,11 +102,9 @@ impl Job {
         match &mut self.0 {
             Kind::Boxed(b) => b.clear(),
             Kind::Spent => {}
-            Kind::Inline { .. } => {
-                let Kind::Inline { ops, mut data } = std::mem::replace(&mut self.0, Kind::Spent)
-                else {
-                    unreachable!("matched above")
-                };
+            Kind::Inline { ops, data } => {
+                let (ops, mut data) = (*ops, *data);
+                self.0 = Kind::Spent;
                 // SAFETY: as in `call`.
                 unsafe { (ops.drop)(data.as_mut_ptr().cast()) }
             }
