@@ -55,10 +55,12 @@ pub(crate) enum Arg<'a> {
 }
 
 /// An operand of a batched op.
+#[derive(Clone, Copy)]
 enum Operand {
-    /// A tensor's data, its shape's place in [`Open::shapes`] and its Var's
-    /// place in [`Open::vars`].
-    Tensor(Read<Data>, u32, u32),
+    /// A tensor: its shape's place in [`Open::shapes`] and its Var's place
+    /// in [`Open::vars`]. No token of its own: the batch's node reads
+    /// through one token per Var (see [`DeviceBatch::record_ops`]).
+    Tensor(u32, u32),
     /// A constant.
     Scalar(f32),
 }
@@ -87,14 +89,9 @@ impl Op {
         &self.inputs[..usize::from(self.arity)]
     }
 
-    /// Lets go of the op's tokens, keeping the storage of each Var that
-    /// dies with it in `dead`.
+    /// Lets go of the op's output token, keeping the storage of its Var in
+    /// `dead` if it dies with it.
     fn let_go(self, dead: &mut Vec<Spare<Data>>) {
-        for input in self.inputs {
-            if let Operand::Tensor(token, _, _) = input {
-                dead.extend(token.into_spare());
-            }
-        }
         dead.extend(self.out.into_spare());
     }
 }
@@ -197,7 +194,7 @@ impl Open {
             op.out_var = place[op.out_var as usize];
             op.dims += shift;
             for input in &mut op.inputs {
-                if let Operand::Tensor(_, shape, p) = input {
+                if let Operand::Tensor(shape, p) = input {
                     *shape += shift;
                     *p = place[*p as usize];
                 }
@@ -416,7 +413,7 @@ impl DeviceBatch {
                     } else {
                         open.shape(t.dims())
                     };
-                    Operand::Tensor(t.var.read_token(), shape, place as u32)
+                    Operand::Tensor(shape, place as u32)
                 }
                 Arg::Scalar(s) => Operand::Scalar(*s),
             };
@@ -493,6 +490,14 @@ impl DeviceBatch {
         // clone), so the node's accesses and the values written agree.
         let held: Vec<bool> = vars.iter().map(|(var, _, _)| var.handles() > 1).collect();
         let keep: Vec<bool> = ops.iter().map(|op| held[op.out_var as usize]).collect();
+        // One read token per Var the ops read, not one per operand: a value
+        // many ops of the batch read (a weight, a constant tensor) has its
+        // count raised once here, and lowered once by the worker, instead of
+        // twice per op on a line both threads write.
+        let reads: Vec<Option<Read<Data>>> = vars
+            .iter()
+            .map(|(var, read, _)| read.then(|| var.read_token()))
+            .collect();
         let mut t = engine.task_at(ops[0].name, ops[0].location);
         t.device(self.device).weight(ops.len() as u32);
         // Distinct: `Open::note` names each Var once. A Var the batch writes
@@ -513,11 +518,10 @@ impl DeviceBatch {
             }
         }
         let Some(gpu) = gpu else {
-            let places = vars.len();
             let counters = engine.counters().clone();
             let spares = self.spares.clone();
             let _ = t.push_accesses(&mut accesses, move || {
-                run_on_cpu(ops, &shapes, keep, places, &counters, &spares)
+                run_on_cpu(ops, &shapes, keep, reads, &counters, &spares)
             });
             return;
         };
@@ -531,20 +535,20 @@ impl DeviceBatch {
                 let dims = Dims::from_slice(&shapes[op.dims as usize]);
                 let n: usize = dims.iter().product();
                 *op.out.write() = Data::Gpu(gpu.alloc_lazy(n)?);
+                let mut inputs = SmallVec::new();
+                for input in op.inputs() {
+                    inputs.push(match *input {
+                        Operand::Tensor(shape, place) => Input::Tensor(
+                            reads_token(&reads, place, &op)?.duplicate(),
+                            Dims::from_slice(&shapes[shape as usize]),
+                        ),
+                        Operand::Scalar(s) => Input::Scalar(s),
+                    });
+                }
                 batch.push(BatchOp {
                     dims,
                     op: op.op,
-                    inputs: op
-                        .inputs
-                        .into_iter()
-                        .take(usize::from(op.arity))
-                        .map(|i| match i {
-                            Operand::Tensor(token, shape, _) => {
-                                Input::Tensor(token, Dims::from_slice(&shapes[shape as usize]))
-                            }
-                            Operand::Scalar(s) => Input::Scalar(s),
-                        })
-                        .collect(),
+                    inputs,
                     out: op.out,
                     keep,
                     seq: op.seq,
@@ -562,6 +566,23 @@ impl DeviceBatch {
     }
 }
 
+/// The read token of place `place` of a batch, which `op` reads.
+fn reads_token<'r>(
+    reads: &'r [Option<Read<Data>>],
+    place: u32,
+    op: &Op,
+) -> Result<&'r Read<Data>, String> {
+    reads
+        .get(place as usize)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| {
+            format!(
+                "internal error: {} at {} reads a value its batch did not note as read",
+                op.name, op.location
+            )
+        })
+}
+
 /// Runs a CPU batch's ops in record order. A value that is kept goes to its
 /// Var (where the later ops of the batch read it too); the others live in
 /// this function until their last reader ran, and are never written.
@@ -569,11 +590,12 @@ fn run_on_cpu(
     ops: Vec<Op>,
     shapes: &[Vec<usize>],
     keep: Vec<bool>,
-    places: usize,
+    reads: Vec<Option<Read<Data>>>,
     counters: &crate::engine::Counters,
     spares: &Spares<Data>,
 ) -> Result<(), String> {
     use super::kernels;
+    let places = reads.len();
     // Which ops must run: those whose value is kept, and those a needed op
     // reads (backwards, so that a value read only by unneeded ops is not
     // needed either). Then the last needed op that reads each place.
@@ -586,7 +608,7 @@ fn run_on_cpu(
             continue;
         }
         for input in op.inputs() {
-            if let Operand::Tensor(_, _, place) = input {
+            if let Operand::Tensor(_, place) = input {
                 let place = *place as usize;
                 if !read_by_needed[place] {
                     read_by_needed[place] = true;
@@ -615,21 +637,21 @@ fn run_on_cpu(
             super::ops::zeroed(n).map_err(|e| format!("{} at {}: {e}", op.name, op.location))?;
         {
             // Each tensor operand: the batch's own value, or the Var's data.
-            let guards: SmallVec<[Option<std::sync::RwLockReadGuard<'_, Data>>; 2]> = op
-                .inputs()
-                .iter()
-                .map(|input| match input {
-                    Operand::Tensor(token, _, place) if local[*place as usize].is_none() => {
-                        Some(token.read_kernel())
+            let mut guards: SmallVec<[Option<std::sync::RwLockReadGuard<'_, Data>>; 2]> =
+                SmallVec::new();
+            for input in op.inputs() {
+                guards.push(match *input {
+                    Operand::Tensor(_, place) if local[place as usize].is_none() => {
+                        Some(reads_token(&reads, place, &op)?.read_kernel())
                     }
                     _ => None,
-                })
-                .collect();
+                });
+            }
             let mut values: SmallVec<[&[f32]; 2]> = SmallVec::new();
             for (input, guard) in op.inputs().iter().zip(&guards) {
                 match (input, guard) {
                     (Operand::Tensor(..), Some(g)) => values.push(g.host()?),
-                    (Operand::Tensor(_, _, place), None) => {
+                    (Operand::Tensor(_, place), None) => {
                         values.push(local[*place as usize].as_deref().ok_or_else(|| {
                             format!(
                                 "internal error: {} at {} reads a value its batch did not compute",
@@ -642,7 +664,7 @@ fn run_on_cpu(
             }
             match (op.op, op.inputs()) {
                 (ElemOp::Unary(u), [Operand::Tensor(..)]) => kernels::unary(u, values[0], &mut out),
-                (ElemOp::Binary(b), [Operand::Tensor(_, da, _), Operand::Tensor(_, db, _)]) => {
+                (ElemOp::Binary(b), [Operand::Tensor(da, _), Operand::Tensor(db, _)]) => {
                     let (da, db) = (&shapes[*da as usize], &shapes[*db as usize]);
                     kernels::binary(b, values[0], da, values[1], db, dims, &mut out)
                 }
@@ -666,7 +688,7 @@ fn run_on_cpu(
         }
         // Values nothing reads any more are freed at once.
         for input in op.inputs() {
-            if let Operand::Tensor(_, _, place) = input {
+            if let Operand::Tensor(_, place) = input {
                 let place = *place as usize;
                 if last_read[place] == j {
                     local[place] = None;
@@ -674,6 +696,9 @@ fn run_on_cpu(
             }
         }
         op.let_go(&mut dead);
+    }
+    for token in reads.into_iter().flatten() {
+        dead.extend(token.into_spare());
     }
     spares.give(dead);
     Ok(())
