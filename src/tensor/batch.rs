@@ -807,8 +807,8 @@ mod tests {
 
     /// A value whose op ran and whose last handle goes on the frontend
     /// leaves its storage with the spares too, and the next output is made
-    /// in it; a value a pending op still reads is not kept then (its token
-    /// holds it), and the engine still ends with its last handle.
+    /// in it; a value a pending op still reads is not kept then (the op's
+    /// batch holds it), and the engine still ends with its last handle.
     #[test]
     fn values_let_go_of_on_the_frontend_after_their_ops_ran_are_kept() {
         let e = lazy();
@@ -825,7 +825,7 @@ mod tests {
             keys.contains(&z.var.queue().key()),
             "made in a kept storage"
         );
-        // Not run yet: `w`'s op holds a token of `z`.
+        // Not run yet: `w`'s batch holds `z`.
         let w = &z * 3.0;
         let kept = spares(&e);
         drop(z);
