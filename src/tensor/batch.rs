@@ -145,7 +145,7 @@ impl Open {
 
     /// Adds the output of an op, a Var made for it that no other thread
     /// can reach yet, and returns its place and its write token.
-    fn note_output(&mut self, out: &Var<Data>) -> (usize, Write<Data>) {
+    fn note_output(&mut self, out: &mut Var<Data>) -> (usize, Write<Data>) {
         out.queue().hold_new();
         let (var, write) = out.new_output_handles();
         (self.add(var, false, true), write)
@@ -322,7 +322,7 @@ impl DeviceBatch {
         // lets go of the last handle after its op ran (the workers give back
         // those whose last token they hold).
         let keep = matches!(self.backend, Backend::Cpu).then_some(&self.spares);
-        let out = Spare::var(spares, engine, keep);
+        let mut out = Spare::var(spares, engine, keep);
         // The op joins the batch that computes one of its inputs (merging
         // them when several do), or starts a batch of its own: a batch holds
         // connected ops only, and a reader of one of its values waits for
@@ -419,7 +419,7 @@ impl DeviceBatch {
             };
         }
         // New: not in the batch, no lookup.
-        let (out_var, write) = open.note_output(&out);
+        let (out_var, write) = open.note_output(&mut out);
         let seq = match self.backend {
             Backend::Cpu => {
                 *seq += 1;

@@ -619,20 +619,18 @@ impl<T> Var<T> {
         }
     }
 
-    /// [`Var::clone`] and [`Var::write_token`] for a Var that no other
-    /// thread can reach yet (an op's output, made for it): the counts are
-    /// raised without a locked instruction.
-    pub(crate) fn new_output_handles(&self) -> (Var<T>, Write<T>) {
+    /// [`Var::clone`] and [`Var::write_token`] for a Var made for an op's
+    /// output: when this handle is the storage's only reference (nothing
+    /// else can reach it, so no other thread counts), the counts are raised
+    /// with plain stores instead of locked instructions.
+    pub(crate) fn new_output_handles(&mut self) -> (Var<T>, Write<T>) {
+        let Some((var, write)) = self.inner.two_more_if_unique() else {
+            return (self.clone(), self.write_token());
+        };
         let (handles, version) = (&self.inner.handles, &self.inner.version);
         handles.store(handles.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         version.store(version.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
-        let var = Var {
-            inner: self.inner.clone(),
-        };
-        let write = Write {
-            storage: self.inner.clone(),
-        };
-        (var, write)
+        (Var { inner: var }, Write { storage: write })
     }
 
     pub(crate) fn write_token(&self) -> Write<T> {

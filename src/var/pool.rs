@@ -268,6 +268,25 @@ impl<S> Pooled<S> {
         Some(unsafe { &mut self.ptr.as_mut().value })
     }
 
+    /// Two more references to a value that this one alone reaches, counted
+    /// with a plain store instead of two locked increments; `None` if
+    /// another reference exists. Borrowed mutably and the only reference:
+    /// no other thread can count meanwhile, and the references given are
+    /// published to other threads (if ever) by whatever sends them.
+    pub(crate) fn two_more_if_unique(&mut self) -> Option<(Self, Self)> {
+        let refs = &self.counted().refs;
+        // Acquire, as `get_mut`.
+        if refs.load(Ordering::Acquire) != 1 {
+            return None;
+        }
+        refs.store(3, Ordering::Relaxed);
+        let more = || Pooled {
+            ptr: self.ptr,
+            _owns: PhantomData,
+        };
+        Some((more(), more()))
+    }
+
     /// How many references there are (this one included).
     pub(crate) fn count(&self) -> usize {
         self.counted().refs.load(Ordering::Acquire)
@@ -425,6 +444,32 @@ mod tests {
 
     /// The sizes these tests keep are classes of their own: smaller than
     /// any Var's storage, which other tests of the crate make at once.
+    /// Two more references made from the only one count as two clones: the
+    /// value goes once, with the last of the four; refused while another
+    /// reference exists.
+    #[test]
+    fn two_more_references_of_the_only_one_count_as_clones() {
+        struct Big<'a>(&'a AtomicUsize, [u64; LARGEST / 8]);
+        impl Drop for Big<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        // Too large to be kept: no other test's class is touched.
+        assert_eq!(class_of::<Counted<Big>>(), None);
+        let drops = AtomicUsize::new(0);
+        let mut a = Pooled::new(Big(&drops, [7; LARGEST / 8]));
+        let (b, c) = a.two_more_if_unique().expect("the only reference");
+        assert_eq!((a.count(), b.1[0], c.1[LARGEST / 8 - 1]), (3, 7, 7));
+        let mut d = b.clone();
+        assert!(d.two_more_if_unique().is_none(), "four references");
+        assert_eq!(d.count(), 4);
+        drop((a, b, c));
+        assert_eq!((drops.load(Ordering::Relaxed), d.count()), (0, 1));
+        drop(d);
+        assert_eq!(drops.load(Ordering::Relaxed), 1);
+    }
+
     #[test]
     fn the_tests_sizes_are_not_a_vars() {
         let var = size_of::<Counted<super::super::Storage<()>>>();
