@@ -442,8 +442,6 @@ mod tests {
         assert_eq!(on_stack, most);
     }
 
-    /// The sizes these tests keep are classes of their own: smaller than
-    /// any Var's storage, which other tests of the crate make at once.
     /// Two more references made from the only one count as two clones: the
     /// value goes once, with the last of the four; refused while another
     /// reference exists.
@@ -470,6 +468,8 @@ mod tests {
         assert_eq!(drops.load(Ordering::Relaxed), 1);
     }
 
+    /// The sizes these tests keep are classes of their own: smaller than
+    /// any Var's storage, which other tests of the crate make at once.
     #[test]
     fn the_tests_sizes_are_not_a_vars() {
         let var = size_of::<Counted<super::super::Storage<()>>>();
