@@ -45,11 +45,14 @@ mod error;
 // job reached without a lock, and the node's own count with the pool its
 // memory goes back to (see `graph/mod.rs`). The only others are a node's
 // small closure kept in place and a spent job's box written over by the
-// next closure (`engine/job.rs`), and a dead
-// Var's memory kept for the next Var of its size (`var/pool.rs`).
+// next closure (`engine/job.rs`), a dead
+// Var's memory kept for the next Var of its size (`var/pool.rs`), and the
+// calls into mimalloc for the memory of nodes and Var storages (`mem.rs`).
 // Everything else is safe code.
 #[allow(unsafe_code)]
 mod graph;
+#[allow(unsafe_code)]
+mod mem;
 pub mod nn;
 mod sched;
 mod sync;

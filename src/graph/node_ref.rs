@@ -43,7 +43,7 @@ impl<J> NodeRef<J> {
     pub(crate) fn new(node: Node<J>) -> Self {
         node.refs.store(1, Ordering::Relaxed);
         NodeRef {
-            ptr: NonNull::from(Box::leak(Box::new(node))),
+            ptr: crate::mem::boxed(node),
         }
     }
 
@@ -147,7 +147,7 @@ impl<J> Drop for NodeRef<J> {
             }
         }
         // SAFETY: allocated by `NodeRef::new`, and nothing else reaches it.
-        drop(unsafe { Box::from_raw(node) });
+        unsafe { crate::mem::drop_and_free(node) };
     }
 }
 
@@ -230,7 +230,7 @@ impl<J> Drop for Taken<J> {
             // Freed, not pooled again: the caller wanted no more.
             let p = NodeRef::into_raw(n).cast_mut();
             // SAFETY: allocated by `NodeRef::new`, the one reference.
-            drop(unsafe { Box::from_raw(p) });
+            unsafe { crate::mem::drop_and_free(p) };
         }
     }
 }

@@ -23,8 +23,8 @@
 //! engine retires, and a block of one engine's Var is reused for another's.
 //! Blocks are classed by the size of the storage (every storage has the
 //! same alignment), so `Var<()>` and `Var<u64>` storages, say, each have a
-//! stack; memory is given back to the allocator with the size and
-//! alignment it was allocated with, whatever type was built in it since.
+//! stack. The memory is mimalloc's (`mem.rs`), which finds a block's size
+//! itself when it is given back, whatever type was built in it since.
 //!
 //! Bounds: storages of up to [`LARGEST`] bytes are kept, and a class keeps
 //! at most [`KEPT_BYTES`] of them on its stack (a storage pushed past that is
@@ -36,7 +36,6 @@
 use crossbeam_utils::CachePadded;
 use std::cell::Cell;
 use std::marker::PhantomData;
-use std::mem::MaybeUninit;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
@@ -54,8 +53,6 @@ const CLASSES: usize = LARGEST / ALIGN + 1;
 struct Block {
     /// The next block of the same stack or list.
     next: *mut Block,
-    /// Frees the block (for the type it was allocated as).
-    free: unsafe fn(*mut Block),
 }
 
 /// One size class's stack of kept blocks.
@@ -98,7 +95,7 @@ fn free_list(mut at: *mut Block) {
         // before it is freed, and freed once.
         unsafe {
             let next = (*at).next;
-            ((*at).free)(at);
+            free(at);
             at = next;
         }
     }
@@ -122,15 +119,14 @@ struct Counted<S> {
     value: S,
 }
 
-/// Frees a kept block that was allocated as a `Counted<S>`.
+/// Frees a kept block.
 ///
 /// # Safety
-/// `b` came from [`Pooled`]'s drop for this `S`, and nothing else reaches it.
-unsafe fn free<S>(b: *mut Block) {
-    // SAFETY: a `Box<Counted<S>>`'s memory whose value was dropped: as a
-    // `MaybeUninit` (same size and alignment) nothing is dropped again,
-    // and the memory goes back with the layout it was allocated with.
-    drop(unsafe { Box::from_raw(b.cast::<MaybeUninit<Counted<S>>>()) });
+/// `b` came from [`Pooled`]'s drop, and nothing else reaches it.
+unsafe fn free(b: *mut Block) {
+    // SAFETY: a `Counted<S>`'s memory from `mem::alloc` whose value was
+    // dropped (a `Block` written over it holds nothing to drop).
+    unsafe { crate::mem::free(b) };
 }
 
 /// A block of `class` to build a value in: from this thread's list, else
@@ -184,7 +180,7 @@ fn push(class: usize, b: *mut Block) {
     let most = KEPT_BYTES / (class * ALIGN);
     if !admit(&stack.kept, most) {
         // SAFETY: the caller's block, which nothing else reaches.
-        unsafe { ((*b).free)(b) };
+        unsafe { free(b) };
         return;
     }
     let mut head = stack.head.load(Ordering::Relaxed);
@@ -237,13 +233,13 @@ impl<S> Pooled<S> {
             Some(b) => {
                 let p = b.cast::<Counted<S>>();
                 // SAFETY: a kept block of `Counted<S>`'s size and
-                // alignment, a `Box`'s memory holding nothing (its value
-                // was dropped) that only this thread reaches.
+                // alignment from `mem::alloc`, holding nothing (its value
+                // was dropped), that only this thread reaches.
                 unsafe { p.write(counted) };
                 // SAFETY: not null (a block of a list).
                 unsafe { NonNull::new_unchecked(p) }
             }
-            None => NonNull::from(Box::leak(Box::new(counted))),
+            None => crate::mem::boxed(counted),
         };
         Pooled {
             ptr,
@@ -343,9 +339,9 @@ impl<S> Drop for Pooled<S> {
 /// its memory, or frees it (a size that is not kept).
 fn keep<S>(p: *mut Counted<S>) {
     let Some(class) = class_of::<Counted<S>>() else {
-        // SAFETY: allocated by `Box` (a size not kept is never built in a
-        // block), and the last reference is gone.
-        drop(unsafe { Box::from_raw(p) });
+        // SAFETY: allocated by `mem::boxed` (a size not kept is never built
+        // in a block), and the last reference is gone.
+        unsafe { crate::mem::drop_and_free(p) };
         return;
     };
     // SAFETY: the last reference is gone: the value is dropped once, and
@@ -358,7 +354,6 @@ fn keep<S>(p: *mut Counted<S>) {
     unsafe {
         b.write(Block {
             next: ptr::null_mut(),
-            free: free::<S>,
         })
     };
     push(class, b);
