@@ -92,6 +92,8 @@ mod tests {
         }
         let wide = boxed(Wide([7; 100]));
         assert_eq!(wide.as_ptr() as usize % 64, 0);
+        // SAFETY: written by `boxed`, not freed yet.
+        assert_eq!(unsafe { wide.as_ref() }.0, [7; 100]);
         // SAFETY: from `boxed`, freed once.
         unsafe { drop_and_free(wide.as_ptr()) };
         let addresses: Vec<usize> = blocks.iter().map(|b| b.as_ptr() as usize).collect();
