@@ -17,8 +17,7 @@
 //! storages in mimalloc's memory").
 //!
 //! Only these two kinds of block: the rest of the engine's memory (closures,
-//! lists, tensors) stays the global allocator's, so a program's own
-//! allocator still serves what it allocates and what it frees of ours.
+//! lists, tensors) stays the global allocator's, which the program chooses.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
