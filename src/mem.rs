@@ -24,7 +24,7 @@ use std::ptr::NonNull;
 
 /// Memory for a `T` (not zero-sized), uninitialized; given back with
 /// [`free`].
-pub(crate) fn alloc<T>() -> NonNull<T> {
+fn alloc<T>() -> NonNull<T> {
     let layout = Layout::new::<T>();
     debug_assert!(layout.size() > 0, "no zero-sized blocks");
     // SAFETY: a size above zero and an alignment that is a power of two.
@@ -43,11 +43,11 @@ pub(crate) fn boxed<T>(value: T) -> NonNull<T> {
     p
 }
 
-/// Gives back memory from [`alloc`] (of any `T`) that holds no value any
-/// more: dropped, moved out, or never written.
+/// Gives back memory from [`boxed`] (of any `T`) that holds no value any
+/// more: dropped or moved out.
 ///
 /// # Safety
-/// `p` came from [`alloc`], is given back once, and is not used after.
+/// `p` came from [`boxed`], is given back once, and is not used after.
 pub(crate) unsafe fn free<T>(p: *mut T) {
     // SAFETY: the caller's promise; mimalloc finds the block's size itself.
     unsafe { libmimalloc_sys::mi_free(p.cast()) }

@@ -91,11 +91,12 @@ impl Drop for Taken {
 /// Frees every block of a list nothing else reaches.
 fn free_list(mut at: *mut Block) {
     while !at.is_null() {
-        // SAFETY: a block of a list only the caller reaches; it is read
-        // before it is freed, and freed once.
+        // SAFETY: a block of a list only the caller reaches (a
+        // `Counted`'s memory from `mem::boxed`, its value dropped); it is
+        // read before it is freed, and freed once.
         unsafe {
             let next = (*at).next;
-            free(at);
+            crate::mem::free(at);
             at = next;
         }
     }
@@ -117,16 +118,6 @@ const fn class_of<S>() -> Option<usize> {
 struct Counted<S> {
     refs: AtomicUsize,
     value: S,
-}
-
-/// Frees a kept block.
-///
-/// # Safety
-/// `b` came from [`Pooled`]'s drop, and nothing else reaches it.
-unsafe fn free(b: *mut Block) {
-    // SAFETY: a `Counted<S>`'s memory from `mem::alloc` whose value was
-    // dropped (a `Block` written over it holds nothing to drop).
-    unsafe { crate::mem::free(b) };
 }
 
 /// A block of `class` to build a value in: from this thread's list, else
@@ -179,8 +170,9 @@ fn push(class: usize, b: *mut Block) {
     let stack = &STACKS[class];
     let most = KEPT_BYTES / (class * ALIGN);
     if !admit(&stack.kept, most) {
-        // SAFETY: the caller's block, which nothing else reaches.
-        unsafe { free(b) };
+        // SAFETY: the caller's block (memory from `mem::boxed`, its value
+        // dropped), which nothing else reaches.
+        unsafe { crate::mem::free(b) };
         return;
     }
     let mut head = stack.head.load(Ordering::Relaxed);
@@ -233,7 +225,7 @@ impl<S> Pooled<S> {
             Some(b) => {
                 let p = b.cast::<Counted<S>>();
                 // SAFETY: a kept block of `Counted<S>`'s size and
-                // alignment from `mem::alloc`, holding nothing (its value
+                // alignment from `mem::boxed`, holding nothing (its value
                 // was dropped), that only this thread reaches.
                 unsafe { p.write(counted) };
                 // SAFETY: not null (a block of a list).
