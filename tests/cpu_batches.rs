@@ -202,12 +202,53 @@ fn backpressure_bounds_the_ops_of_batches_too() {
         .backpressure(1_000, 0)
         .build()
         .unwrap();
+    // Both workers held by a task each until the frontend has stalled, so
+    // that the ops pile up to the bound whatever the machine's speed (with
+    // the workers free, they kept up with the frontend in a third of the
+    // runs on 2 cores, and nothing stalled).
+    let (started, on_worker) = std::sync::mpsc::channel();
+    let gate = std::sync::Arc::new(std::sync::Barrier::new(3));
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let (started, gate) = (started.clone(), gate.clone());
+            let held = e
+                .task("hold a worker")
+                .run(move || {
+                    started.send(()).unwrap();
+                    gate.wait();
+                })
+                .unwrap();
+            // A blocker on another thread demands the task (Lazy mode).
+            std::thread::spawn(move || held.wait().unwrap())
+        })
+        .collect();
+    for _ in 0..2 {
+        on_worker.recv().unwrap();
+    }
+    let opener = {
+        let (e, gate) = (e.clone(), gate.clone());
+        std::thread::spawn(move || {
+            // Opened at the first stall, or after a while if none comes (the
+            // assertion below then fails instead of the test hanging).
+            let start = std::time::Instant::now();
+            while e.stats().backpressure_stalls == 0
+                && start.elapsed() < std::time::Duration::from_secs(20)
+            {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            gate.wait();
+        })
+    };
     let x = Tensor::ones_in(&e, [4]);
     let mut acc = Tensor::zeros_in(&e, [4]);
     for _ in 0..20_000 {
         acc = &acc + &x;
     }
     assert_eq!(acc.to_vec().unwrap(), vec![20_000.0; 4]);
+    opener.join().unwrap();
+    for w in waiters {
+        w.join().unwrap();
+    }
     let s = e.stats();
     assert!(s.peak_live_nodes <= 1_000, "{s:?}");
     assert!(s.backpressure_stalls > 0, "{s:?}");
