@@ -8,10 +8,12 @@
 //!   A queue remembers the Var's last writer and the readers since that write, so
 //!   the node waits for exactly what it must: the last writer of what it reads
 //!   (read-after-write), and the last writer plus the readers of what it writes
-//!   (write-after-write, write-after-read). The new node's link joins each such
-//!   node's list of dependents: a lock-free stack of links kept in the waiting
-//!   nodes, with no allocation, lock or reference count per edge (with the
-//!   node's job and its count, below, the graph's `unsafe` code; see `README.md`).
+//!   (write-after-write, write-after-read). The new node joins each such
+//!   node's list of dependents: slots of that node's own, claimed with one
+//!   add and filled with a compare-and-swap (`dependents.rs`), with no lock
+//!   or reference count per edge, and no allocation past a node's first few
+//!   dependents (with the node's job and its count, below, the graph's
+//!   `unsafe` code; see `README.md`).
 //! - **The count** ([`Node::pending`]): unfinished dependencies, plus one while
 //!   the node is being recorded, plus a bit until it is demanded (Lazy mode).
 //!   Whoever brings it to zero hands the node out, exactly once.
@@ -39,14 +41,16 @@ mod analysis;
 
 use crate::error::{Error, Location, SharedError};
 use crate::sync::{
-    fence_seq_cst, get_mut, lock, Arc, AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Condvar,
-    Mutex, MutexGuard, Ordering, UnsafeCell,
+    fence_seq_cst, get_mut, lock, Arc, AtomicBool, AtomicU32, AtomicUsize, Condvar, Mutex,
+    MutexGuard, Ordering, UnsafeCell,
 };
 use smallvec::SmallVec;
 
 pub(crate) use analysis::to_dot;
 
+mod dependents;
 mod node_ref;
+use dependents::Dependents;
 pub(crate) use node_ref::{NodePool, NodeRef};
 
 /// What a node is, for errors, traces and DOT export.
@@ -81,27 +85,17 @@ pub(crate) enum Outcome {
 /// is free.
 const READS: usize = 1;
 
-/// One of a node's dependencies, and the node's place in that dependency's
-/// list of dependents: the list is a lock-free stack of the links of the
-/// nodes that wait (see [`Node::dependents`]). Kept in the waiting node, so
-/// that joining a list allocates nothing and takes no lock.
-pub(crate) struct Link<J> {
+/// One of a node's dependencies, as the node joined its list of dependents
+/// (see `dependents.rs`).
+pub(crate) struct Link {
     /// The dependency's address, with [`READS`] set if the node reads what
     /// it writes (fixed once the node is filled, read without the lock).
     key: usize,
-    /// The link after this one in the dependency's list.
-    next: AtomicPtr<Link<J>>,
-    /// The node the link belongs to (set as it joins the list).
-    owner: AtomicPtr<Node<J>>,
 }
 
-impl<J> Link<J> {
+impl Link {
     fn new(key: usize) -> Self {
-        Link {
-            key,
-            next: AtomicPtr::new(std::ptr::null_mut()),
-            owner: AtomicPtr::new(std::ptr::null_mut()),
-        }
+        Link { key }
     }
 
     /// The dependency's address (its [`Node::key`]).
@@ -115,12 +109,6 @@ impl<J> Link<J> {
     fn reads(&self) -> bool {
         self.key & READS != 0
     }
-}
-
-/// The head of a completed node's list of dependents: joining is refused.
-/// (An odd address, which no link can have.)
-fn closed<J>() -> *mut Link<J> {
-    std::ptr::without_provenance_mut(1)
 }
 
 /// Dependencies above which [`Node::fill`] makes room for all at once, and
@@ -164,7 +152,7 @@ impl<J> Met<'_, J> {
 #[inline(always)]
 fn add_dep<J>(
     deps: &mut SmallVec<[NodeRef<J>; 2]>,
-    links: &mut SmallVec<[Link<J>; 2]>,
+    links: &mut SmallVec<[Link; 2]>,
     found: Option<usize>,
     d: Met<'_, J>,
     reads: bool,
@@ -271,8 +259,8 @@ impl<J> JobSlot<J> {
 ///
 /// `repr(C)`, in this order: what another thread's record or completion
 /// touches on a node it depends on or releases (the count of references, the
-/// list of dependents, the count of what it waits for and the flags) comes
-/// first, in about half a cache line; the fields only the node's own
+/// count of what it waits for, the flags and the first slots of the list of
+/// dependents) comes first, in the first cache line; the fields only the node's own
 /// recorder and runner reach come after. With the compiler's order, a
 /// record that named the node as a dependency read `done`, pushed onto
 /// `dependents` and took a reference through `refs` on three lines (offsets
@@ -283,13 +271,6 @@ impl<J> JobSlot<J> {
 pub(crate) struct Node<J> {
     /// References to the node (see [`NodeRef`]).
     refs: AtomicUsize,
-    /// The nodes waiting for this one: a stack of their [`Link`]s, pushed
-    /// by recorders with a compare-and-swap, and taken whole by [`complete`],
-    /// which leaves [`closed`] in its place (a recorder that finds it counts
-    /// the node out instead of joining). Each link's node is held by one
-    /// strong count of its own while any of its links is in a list
-    /// ([`Node::linked`]).
-    dependents: AtomicPtr<Link<J>>,
     /// Unfinished dependencies, plus [`RECORDING`] until [`record`] is done
     /// wiring the node, plus the bit [`UNDEMANDED`] until [`demand`] reaches
     /// it. AcqRel: the thread that brings it to zero hands the node out and
@@ -316,10 +297,18 @@ pub(crate) struct Node<J> {
     /// only to fetch a failure that exists.
     skipped: AtomicBool,
     /// Whether the node holds the strong count of its links: taken by
-    /// [`record`] before its first link joins a list, and given up (or
+    /// [`record`] before it fills its first slot in a list of dependents, and given up (or
     /// handed out with the node) by whoever brings [`Node::pending`] to
     /// zero.
     linked: AtomicBool,
+    /// The nodes waiting for this one, in slots of the node's own
+    /// (`dependents.rs`): a recorder claims one and fills it, and
+    /// [`complete`] closes the list (a recorder that finds it closed counts
+    /// the node out instead of joining). Each waiting node is held by one
+    /// strong count of its own while it is in any list ([`Node::linked`]).
+    /// Placed after the flags: the count of claims and the first slots share
+    /// the first cache line with them.
+    dependents: Dependents,
     /// Whether it waits for a node of another [`NodeMeta::group`] (fixed
     /// when filled): [`demand_listed`] walks its dependencies.
     outside: bool,
@@ -336,7 +325,7 @@ pub(crate) struct Node<J> {
     /// (their keys are fixed, read without the lock; compared only with
     /// nodes the caller holds, whose addresses no other node can have
     /// taken).
-    links: SmallVec<[Link<J>; 2]>,
+    links: SmallVec<[Link; 2]>,
     state: Mutex<State<J>>,
 }
 
@@ -357,7 +346,7 @@ struct State<J> {
     err: Option<SharedError>,
     /// Nodes this one waits for (the demand walk and deadlock checks follow
     /// them); cleared on completion, so finished nodes do not hold a chain.
-    /// They also keep the nodes whose lists [`Node::links`] join alive.
+    /// They also keep alive the nodes whose lists of dependents the node joined.
     deps: SmallVec<[NodeRef<J>; 2]>,
     /// Blockers to wake on completion.
     waiters: SmallVec<[Arc<Latch>; 1]>,
@@ -374,7 +363,7 @@ impl<J> Node<J> {
             failed: AtomicBool::new(false),
             skipped: AtomicBool::new(false),
             job: JobSlot(UnsafeCell::new(None)),
-            dependents: AtomicPtr::new(closed()),
+            dependents: Dependents::closed(),
             linked: AtomicBool::new(false),
             outside: false,
             writes: SmallVec::new(),
@@ -410,9 +399,7 @@ impl<J> Node<J> {
         self.has_waiters.store(false, Ordering::Relaxed);
         self.failed.store(false, Ordering::Relaxed);
         *self.job.get_mut() = Some(job);
-        debug_assert!(self.dependents.load(Ordering::Relaxed) == closed());
-        self.dependents
-            .store(std::ptr::null_mut(), Ordering::Relaxed);
+        self.dependents.reopen();
         self.linked.store(false, Ordering::Relaxed);
         self.writes.clear();
         self.links.clear();
@@ -823,12 +810,13 @@ pub(crate) fn record<J>(
 
     // Join each dependency's list, or count it out if it finished meanwhile
     // (its outcome is final then: a failed writer of an input skips the
-    // node). A push of the node's own link with a compare-and-swap: no lock,
-    // no allocation, and no reference per edge; the node is held for all
-    // its lists by one strong count, taken before its first link joins one.
+    // node). A slot claimed with one add and filled with a compare-and-swap
+    // (`dependents.rs`): no lock, no allocation past a dependency's first
+    // few dependents, and no reference per edge; the node is held for all
+    // its lists by one strong count, taken before it fills its first slot.
     // A demand that reaches the node meanwhile sees every dependency: they
     // were fixed before its Vars' queues let go.
-    let me = NodeRef::as_ptr(&node).cast_mut();
+    let me = NodeRef::as_ptr(&node) as usize;
     let mut released = RECORDING;
     let mut skip = None;
     let mut linked = false;
@@ -837,31 +825,18 @@ pub(crate) fn record<J>(
         // dependency until this node completes, which waits for the
         // RECORDING unit released below.
         let d = unsafe { &*(link.dep() as *const Node<J>) };
-        let mut head = d.dependents.load(Ordering::Acquire);
-        loop {
-            if head == closed() {
-                if link.reads() && skip.is_none() && d.failed.load(Ordering::Acquire) {
-                    skip.clone_from(&lock(&d.state).err);
-                }
-                released += 1;
-                break;
-            }
+        let joined = d.dependents.join(me | (link.key & READS), || {
             if !linked {
                 let _count = NodeRef::into_raw(node.clone());
                 node.linked.store(true, Ordering::Relaxed);
                 linked = true;
             }
-            link.owner.store(me, Ordering::Relaxed);
-            link.next.store(head, Ordering::Relaxed);
-            let at = std::ptr::from_ref(link).cast_mut();
-            // Release: whoever takes the list sees the link's fields.
-            match d
-                .dependents
-                .compare_exchange_weak(head, at, Ordering::Release, Ordering::Acquire)
-            {
-                Ok(_) => break,
-                Err(now) => head = now,
+        });
+        if !joined {
+            if link.reads() && skip.is_none() && d.failed.load(Ordering::Acquire) {
+                skip.clone_from(&lock(&d.state).err);
             }
+            released += 1;
         }
     }
     if let Some(e) = &skip {
@@ -869,7 +844,7 @@ pub(crate) fn record<J>(
     }
     let ready = node.pending.fetch_sub(released, Ordering::AcqRel) == released;
     if ready {
-        // Every link was taken (or none joined): the lists' count goes.
+        // Every list released the node (or it joined none): the lists' count goes.
         let_go_of_links(&node);
         let handed = Ready(node.clone());
         return (node, Some(handed));
@@ -889,8 +864,8 @@ fn unique<J>(n: &mut NodeRef<J>) -> Option<&mut Node<J>> {
     Some(unsafe { &mut *NodeRef::as_ptr(n).cast_mut() })
 }
 
-/// Gives up the strong count a node held for its links, if it took one; by
-/// whoever brought its count to zero through something else than a link
+/// Gives up the strong count a node held for its lists of dependents, if it took one; by
+/// whoever brought its count to zero through something else than a list
 /// (which hands the count out instead), while holding a reference of its
 /// own.
 #[inline]
@@ -1013,9 +988,10 @@ fn demand_from<J>(
 #[must_use = "the node must be marked finished"]
 pub(crate) struct Finished<'a, J> {
     node: &'a Node<J>,
-    /// The list of dependents taken from the node as it closed, oldest
-    /// first (null if empty): each link's unit is still held here.
-    dependents: *mut Link<J>,
+    /// How many slots of the node's list of dependents were claimed when it
+    /// closed (settled by [`complete`] if more than one): the unit of each
+    /// dependent in them is still held here.
+    dependents: u32,
     /// The failure that skips the dependents that read what the node wrote.
     err: Option<SharedError>,
 }
@@ -1033,25 +1009,15 @@ impl<J> Finished<'_, J> {
                 w.set();
             }
         }
-        let mut at = self.dependents;
-        while !at.is_null() {
-            // SAFETY: a link in the list taken by `complete`: its node
-            // cannot complete (nor let go of the link) before its unit is
-            // released below, and its fields were published by the
-            // compare-and-swap that pushed it (acquired by the swap that
-            // took the list). Nothing of it is touched after the release.
-            let (next, owner, reads) = unsafe {
-                let link = &*at;
-                (
-                    link.next.load(Ordering::Relaxed),
-                    link.owner.load(Ordering::Relaxed),
-                    link.reads(),
-                )
-            };
-            // SAFETY: held by the strong count its links hold, until the
-            // unit is released.
+        // SAFETY (both): a dependent in the list, after the settle: it
+        // cannot complete (nor be reused) before its unit is released below,
+        // and it was filled before the compare-and-swap that put it in its
+        // slot (acquired by the settle). Nothing of it is touched after the
+        // release.
+        let release = |v: usize| {
+            let owner = (v & !READS) as *const Node<J>;
             let d = unsafe { &*owner };
-            if reads {
+            if v & READS != 0 {
                 if let Some(e) = &self.err {
                     d.set_skip(&mut lock(&d.state), e);
                 }
@@ -1059,9 +1025,13 @@ impl<J> Finished<'_, J> {
             if d.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
                 // SAFETY: the count taken with `NodeRef::into_raw` in `record`,
                 // handed out by the one that brought the count to zero.
-                ready(Ready(unsafe { NodeRef::from_raw(owner.cast_const()) }));
+                ready(Ready(unsafe { NodeRef::from_raw(owner) }));
             }
-            at = next;
+        };
+        if self.dependents > 1 {
+            node.dependents.each(self.dependents, release);
+        } else {
+            node.dependents.settle(self.dependents, release);
         }
     }
 }
@@ -1090,28 +1060,41 @@ pub(crate) fn complete<J>(node: &NodeRef<J>, outcome: Outcome) -> Finished<'_, J
         SmallVec::new()
     };
     node.failed.store(err.is_some(), Ordering::Release);
-    // AcqRel: a recorder that finds the list closed sees `failed` (and the
-    // error under the lock); this thread sees every link pushed before.
-    let mut stack = node.dependents.swap(closed(), Ordering::AcqRel);
+    // AcqRel (the close): a recorder that finds the list closed sees
+    // `failed` (and the error under the lock).
+    let dependents = node.dependents.close();
     keep_room(node, deps);
-    // The stack holds the last to join first: turned around, so that the
-    // dependents are released in record order (the first one released runs
-    // next on this thread; the one recorded first should).
-    let mut dependents = std::ptr::null_mut();
-    while !stack.is_null() {
-        // SAFETY: a link in the list just taken, whose unit is still held
-        // (see `Finished::wake`); nobody else reads its `next` any more.
-        let link = unsafe { &*stack };
-        let next = link.next.load(Ordering::Relaxed);
-        link.next.store(dependents, Ordering::Relaxed);
-        dependents = stack;
-        stack = next;
+    // With several dependents, the list is settled here (slots still empty
+    // are marked passed: their recorders count this node out), and each
+    // dependent's count is fetched for writing, all at once, so that the
+    // releases in `Finished::wake` (after the caller's books) find them in
+    // cache instead of missing on each in turn. One is settled as it is
+    // released.
+    if dependents > 1 {
+        node.dependents
+            .settle(dependents, |v| prefetch_write(v & !READS));
     }
     Finished {
         node,
         dependents,
         err,
     }
+}
+
+/// Asks for the cache line at `addr` to be fetched for writing (a hint: no
+/// effect on what the program does, and none where the target has no such
+/// instruction or under loom).
+#[inline(always)]
+fn prefetch_write(addr: usize) {
+    #[cfg(all(target_arch = "x86_64", not(loom)))]
+    // SAFETY: a prefetch reads nothing and faults on no address.
+    #[allow(unused_unsafe)]
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
+        _mm_prefetch::<_MM_HINT_ET0>(addr as *const i8);
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(loom))))]
+    let _ = addr;
 }
 
 /// Lets go of a completed node's dependencies (outside its lock: the last

@@ -17,8 +17,8 @@
 //! that a pooled node holds nothing that keeps the pool alive). A node goes
 //! back only if it finished (a node let go of unfinished, by an engine torn
 //! down mid-way, is dropped). The pool is a stack pushed with a
-//! compare-and-swap and taken whole with one swap, as the lists of
-//! dependents are: no pop of one node, hence no ABA problem.
+//! compare-and-swap and taken whole with one swap: no pop of one node, hence
+//! no ABA problem.
 
 use super::Node;
 use crate::sync::Ordering;
