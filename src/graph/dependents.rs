@@ -49,7 +49,9 @@ struct Chunk {
     /// In the first chunk only: the last chunk made, where a joiner looks
     /// first (joins claim slots in order). Without it, a node read by
     /// thousands of later nodes cost each joiner a walk of the whole chain.
-    /// Kept here, not in the node, which every record reaches.
+    /// Kept here, not in the node: with it there (and four links in place
+    /// instead of two), a node took 328 bytes, past the 320-byte block it
+    /// fits in, and `tree` ran 13% slower.
     tail: AtomicPtr<Chunk>,
     slots: [AtomicUsize; CHUNK],
 }
