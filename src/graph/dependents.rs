@@ -91,25 +91,9 @@ impl Dependents {
         // At most this many slots were filled or passed (late claims, which
         // found the list closed, count too: their slots are empty already,
         // and have no chunk if none was made for them).
-        let n = (self.len.load(Ordering::Relaxed) & !CLOSED) as usize;
-        for s in self.inline.iter().take(n) {
-            s.store(EMPTY, Ordering::Relaxed);
-        }
-        let mut link = &self.more;
-        let mut left = n.saturating_sub(INLINE);
-        while left > 0 {
-            let p = link.load(Ordering::Relaxed);
-            // SAFETY: a chunk of this list (see `chunk_at`).
-            let Some(chunk) = (unsafe { p.as_ref() }) else {
-                break;
-            };
-            for s in chunk.slots.iter().take(left) {
-                s.store(EMPTY, Ordering::Relaxed);
-            }
-            left = left.saturating_sub(CHUNK);
-            link = &chunk.next;
-        }
-        if n > INLINE + KEPT_CHUNKS * CHUNK {
+        let n = self.len.load(Ordering::Relaxed) & !CLOSED;
+        self.for_each_slot(n, false, |s| s.store(EMPTY, Ordering::Relaxed));
+        if n as usize > INLINE + KEPT_CHUNKS * CHUNK {
             free_after(&self.more, KEPT_CHUNKS);
             let first = self.more.load(Ordering::Relaxed);
             // SAFETY: a kept chunk, if any.
@@ -162,7 +146,7 @@ impl Dependents {
     /// calls `f` with every other, in join order. Once only.
     #[inline]
     pub(super) fn settle(&self, n: u32, mut f: impl FnMut(usize)) {
-        self.for_each_slot(n, |slot| {
+        self.for_each_slot(n, true, |slot| {
             let mut v = slot.load(Ordering::Acquire);
             if v == EMPTY {
                 match slot.compare_exchange(EMPTY, PASSED, Ordering::AcqRel, Ordering::Acquire) {
@@ -178,7 +162,7 @@ impl Dependents {
     /// first `n`, in join order.
     #[inline]
     pub(super) fn each(&self, n: u32, mut f: impl FnMut(usize)) {
-        self.for_each_slot(n, |slot| {
+        self.for_each_slot(n, true, |slot| {
             let v = slot.load(Ordering::Relaxed);
             if v != PASSED {
                 f(v);
@@ -187,9 +171,10 @@ impl Dependents {
     }
 
     /// Calls `f` with the first `n` slots in order, making the chunks they
-    /// need.
+    /// need if `make` (else stopping at the first chunk not made: its slots
+    /// were never claimed).
     #[inline(always)]
-    fn for_each_slot(&self, n: u32, mut f: impl FnMut(&AtomicUsize)) {
+    fn for_each_slot(&self, n: u32, make: bool, mut f: impl FnMut(&AtomicUsize)) {
         let n = n as usize;
         if n <= INLINE {
             // Most lists: no chunk to look for.
@@ -203,7 +188,15 @@ impl Dependents {
         }
         let (mut link, mut base) = (&self.more, 0);
         while base + INLINE < n {
-            let chunk = self.chunk_at(link, base);
+            let chunk = if make {
+                self.chunk_at(link, base)
+            } else {
+                // SAFETY: a chunk of this list (see `chunk_at`).
+                match unsafe { link.load(Ordering::Relaxed).as_ref() } {
+                    Some(chunk) => chunk,
+                    None => return,
+                }
+            };
             chunk.slots.iter().take(n - INLINE - base).for_each(&mut f);
             link = &chunk.next;
             base += CHUNK;
@@ -306,7 +299,7 @@ fn free_after(link: &AtomicPtr<Chunk>, keep: usize) {
 mod tests {
     use super::*;
 
-    /// Joins past the node's own slots and two chunks, a close, joins after
+    /// Joins past the node's own slots and three chunks, a close, joins after
     /// it, settling and a reopen: every value comes back once, in order, and
     /// the reopened list starts empty.
     #[test]
