@@ -19,6 +19,17 @@
 //! callgrind's count for 6 runs less its count for 1 run, divided by the units
 //! of 5 runs. `benches/locked_per_unit.py` counts the locked instructions
 //! per unit the same way.
+//!
+//! With `split` after the reps (`node_cost many_reads 100000 3 split`), the
+//! engine has no backpressure, so in Lazy mode nothing runs before the
+//! barrier: it prints the recording alone and the run after it, each per
+//! unit, over the rounds after the first (whose memory is new). On 2 cores
+//! the two overlap in the default engine; apart, they show which side a
+//! shape is bound by. Apart, no node finishes while the round records, so
+//! each is recorded in memory that no worker touched since it was last
+//! used, and none in a node that just finished, as with backpressure.
+//! (`dynamic_chain` runs in Async mode, where each node runs as it is
+//! recorded: apart means nothing there.)
 
 mod demos;
 
@@ -33,13 +44,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let shape = args.first().map_or("chain", |s| s.as_str()).to_string();
     let size: usize = args.get(1).map_or(Ok(200_000), |s| s.parse())?;
     let reps: usize = args.get(2).map_or(Ok(5), |s| s.parse())?;
+    let split = match args.get(3).map(String::as_str) {
+        None => false,
+        Some("split") => true,
+        Some(other) => return Err(format!("unknown option {other:?}: split").into()),
+    };
     // `dynamic_chain` runs in Async mode, as in the benchmark.
     let mode = if shape == "dynamic_chain" {
         Mode::Async
     } else {
         Mode::Lazy
     };
-    let e = Engine::builder().mode(mode).workers(2).build()?;
+    let builder = Engine::builder().mode(mode).workers(2);
+    let e = if split {
+        builder.unbounded().build()?
+    } else {
+        builder.build()?
+    };
     let plan = if shape == "many_reads" {
         many_reads_inputs(size).0
     } else {
@@ -55,8 +76,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut outs = Vec::with_capacity(if shape == "tensor_op" { size } else { 0 });
     let start = Instant::now();
     let mut units = 0;
-    for _ in 0..reps {
-        units += match shape.as_str() {
+    // Recording and running apart (`split`), after the first round.
+    let (mut recording, mut running, mut split_units) = (0.0, 0.0, 0);
+    for rep in 0..reps {
+        let round = Instant::now();
+        let n = match shape.as_str() {
             "chain" => chain(&e, size),
             "wide" => wide(&e, size, || {}),
             "tree" => tree(&e, size as u32),
@@ -74,17 +98,33 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .into())
             }
         };
+        let recorded = round.elapsed();
         outs.clear();
         e.wait_all()?;
+        units += n;
+        if rep > 0 {
+            recording += recorded.as_secs_f64();
+            running += (round.elapsed() - recorded).as_secs_f64();
+            split_units += n;
+        }
     }
     let ns = start.elapsed().as_secs_f64() * 1e9 / units as f64;
-    println!(
-        "{shape}: {ns:.1} ns per {}, {units} in all",
-        match shape.as_str() {
-            "many_reads" => "access",
-            "tensor_op" => "op",
-            _ => "node",
+    let unit = match shape.as_str() {
+        "many_reads" => "access",
+        "tensor_op" => "op",
+        _ => "node",
+    };
+    println!("{shape}: {ns:.1} ns per {unit}, {units} in all");
+    if split {
+        if split_units == 0 {
+            return Err("split needs 2 reps or more (the first is left out)".into());
         }
-    );
+        let per = |secs: f64| secs * 1e9 / split_units as f64;
+        println!(
+            "{shape}, apart (rounds 2 to {reps}): recording {:.1} ns per {unit}, then running {:.1}",
+            per(recording),
+            per(running)
+        );
+    }
     Ok(())
 }
