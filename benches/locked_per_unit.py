@@ -14,12 +14,12 @@ no other core holds the line (`cargo run --release --example line_cost`
 measures it), so their count per node is a floor under the time per node
 that instruction counts alone do not show.
 
-Method, as for the instruction counts in README.md: callgrind runs the shape 6
-times and 1 time (`--dump-instr=yes`); the executions of the locked
-instructions of the second run are subtracted from the first's and divided by
-the units of 5 runs, so that the setup is left out. Prints the total (and
-all instructions per unit, counted the same way), the
-share of each object (the binary, the C library's allocator) and the
+Method, as for the instruction counts in docs/per-node-overhead.md:
+callgrind runs the shape 6 times and 1 time (`--dump-instr=yes`); the
+executions of the locked instructions of the second run are subtracted from
+the first's and divided by the units of 5 runs, so that the setup is left
+out. Prints the total (and all instructions per unit, counted the same way),
+the share of each object (the binary, the C library's allocator) and the
 functions with at least 0.2 per unit. Needs valgrind and objdump.
 """
 

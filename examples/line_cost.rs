@@ -15,10 +15,10 @@
 //! Why it is here: a node of the engine is recorded on the frontend and run
 //! on a worker, and a declared access touches the Var on both; each line the
 //! two sides both write moves between the cores at least once per node, and
-//! each atomic read-modify-write costs the local add's time at least. The
-//! README's "On a second machine class" reads the scheduler benchmark against
-//! these figures (with `benches/locked_per_unit.py`, which counts the locked
-//! instructions per node).
+//! each atomic read-modify-write costs the local add's time at least. "On a
+//! second machine class" in `docs/per-node-overhead.md` reads the scheduler
+//! benchmark against these figures (with `benches/locked_per_unit.py`, which
+//! counts the locked instructions per node).
 
 mod demos;
 

@@ -13,8 +13,8 @@
 //! jemalloc) as the global allocator of `node_cost`, `tree` and
 //! `random_dag` ran 25-30% faster, and most of the gain was outside the
 //! allocator: reading a parent's Var and its last writer (`TaskBuilder::declare`,
-//! `Node::fill`) and dropping node references (README, "Nodes and Var
-//! storages in mimalloc's memory").
+//! `Node::fill`) and dropping node references (`docs/per-node-overhead.md`,
+//! "Nodes and Var storages in mimalloc's memory").
 //!
 //! Only these two kinds of block: the rest of the engine's memory (closures,
 //! lists, tensors) stays the global allocator's, which the program chooses.

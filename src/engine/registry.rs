@@ -77,8 +77,8 @@ const SCAN: usize = 2;
 /// lets the workers run them while it records the next, still far enough
 /// behind it that the two seldom touch the same nodes. The frontend stays
 /// ahead by the window: record-time batches, fusion and the values nothing
-/// reads are decided as before. Measured in `README.md` ("A window of
-/// demanded nodes"): no window was best on every shape.
+/// reads are decided as before. Measured in `docs/per-node-overhead.md`
+/// ("A window of demanded nodes"): no window was best on every shape.
 pub(super) fn lookahead(high: usize) -> usize {
     (high / 8).max(64)
 }

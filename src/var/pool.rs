@@ -8,7 +8,8 @@
 //! the arena's lock, which the recorder's next allocation takes too: on
 //! `node_cost dynamic_chain` a tenth of all samples were futex wakes of that
 //! lock, and with jemalloc preloaded the shapes that make a Var per node ran
-//! 30-40% faster (README, "Completions counted out in groups").
+//! 30-40% faster (`docs/per-node-overhead.md`, "Completions counted out in
+//! groups").
 //!
 //! How: the last reference to a storage ([`Pooled`], held by every handle and
 //! token) drops the storage's fields where it goes, as before, but keeps the
