@@ -22,13 +22,34 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
+/// The alignment every block of `mi_malloc` has (mimalloc's
+/// `MI_MAX_ALIGN_SIZE`, `max_align_t`'s on the platforms it builds for).
+const MALLOC_ALIGN: usize = 16;
+
 /// Memory for a `T` (not zero-sized), uninitialized; given back with
 /// [`free`].
+///
+/// A type aligned to 16 or less (a node, a Var's storage, a chunk of
+/// dependents) takes plain `mi_malloc`, whose blocks all have that
+/// alignment. `mi_malloc_aligned` takes a block of the size's own class
+/// only while the thread's current page of that class has a free one;
+/// otherwise, for a size that is not a power of two, it over-allocates by
+/// the alignment less one. Today's sizes land in their own class either
+/// way (a node's 304 bytes and 311 are both in the 320-byte class), but a
+/// size near the top of a class (320 bytes: 327 is in the 384-byte class)
+/// would never make a page of its own and would take the next class up,
+/// every block through mimalloc's slow path.
 fn alloc<T>() -> NonNull<T> {
     let layout = Layout::new::<T>();
     debug_assert!(layout.size() > 0, "no zero-sized blocks");
     // SAFETY: a size above zero and an alignment that is a power of two.
-    let p = unsafe { libmimalloc_sys::mi_malloc_aligned(layout.size(), layout.align()) };
+    let p = unsafe {
+        if layout.align() <= MALLOC_ALIGN {
+            libmimalloc_sys::mi_malloc(layout.size())
+        } else {
+            libmimalloc_sys::mi_malloc_aligned(layout.size(), layout.align())
+        }
+    };
     match NonNull::new(p.cast::<T>()) {
         Some(p) => p,
         None => std::alloc::handle_alloc_error(layout),
@@ -109,5 +130,33 @@ mod tests {
         // SAFETY: from `boxed`, freed once.
         unsafe { drop_and_free(again.as_ptr()) };
         assert_eq!(drops.load(Ordering::Relaxed), 1001);
+    }
+
+    // Declared here: `libmimalloc-sys` declares them only with a feature
+    // that brings in another crate.
+    extern "C" {
+        fn mi_usable_size(p: *const std::ffi::c_void) -> usize;
+        fn mi_good_size(size: usize) -> usize;
+    }
+
+    /// Blocks of a size at the top of its class take that class, however
+    /// many are made: with `mi_malloc_aligned` they took the next class up.
+    #[test]
+    fn blocks_take_the_class_of_their_size() {
+        struct Node320([u64; 40]);
+        // SAFETY: a query of mimalloc's classes.
+        let class = unsafe { mi_good_size(size_of::<Node320>()) };
+        assert!(class < 384, "320 bytes have a class of their own: {class}");
+        let blocks: Vec<_> = (0..5000u64).map(|i| boxed(Node320([i; 40]))).collect();
+        for (i, b) in blocks.iter().enumerate() {
+            // SAFETY: from `boxed`, not freed yet.
+            let usable = unsafe { mi_usable_size(b.as_ptr().cast()) };
+            assert_eq!(usable, class, "block {i} of 5000");
+            assert_eq!(b.as_ptr() as usize % align_of::<Node320>(), 0);
+        }
+        for b in blocks {
+            // SAFETY: from `boxed`, freed once.
+            unsafe { drop_and_free(b.as_ptr()) };
+        }
     }
 }
