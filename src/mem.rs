@@ -152,6 +152,8 @@ mod tests {
             // SAFETY: from `boxed`, not freed yet.
             let usable = unsafe { mi_usable_size(b.as_ptr().cast()) };
             assert_eq!(usable, class, "block {i} of 5000");
+            // SAFETY: as above.
+            assert_eq!(unsafe { b.as_ref() }.0, [i as u64; 40]);
             assert_eq!(b.as_ptr() as usize % align_of::<Node320>(), 0);
         }
         for b in blocks {
