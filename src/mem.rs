@@ -22,16 +22,19 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-/// The alignment every block of `mi_malloc` has (mimalloc's
-/// `MI_MAX_ALIGN_SIZE`, `max_align_t`'s on the platforms it builds for).
+/// The alignment up to which `mi_malloc` suffices: as C's `malloc` must,
+/// it aligns a block for any object of the block's size with a
+/// fundamental alignment, up to `max_align_t`'s 16 bytes (mimalloc's
+/// `MI_MAX_ALIGN_SIZE`). A Rust type's size is a multiple of its
+/// alignment, so a type aligned to 16 or less needs nothing more.
 const MALLOC_ALIGN: usize = 16;
 
 /// Memory for a `T` (not zero-sized), uninitialized; given back with
 /// [`free`].
 ///
 /// A type aligned to 16 or less (a node, a Var's storage, a chunk of
-/// dependents) takes plain `mi_malloc`, whose blocks all have that
-/// alignment. `mi_malloc_aligned` takes a block of the size's own class
+/// dependents) takes plain `mi_malloc` (see [`MALLOC_ALIGN`]).
+/// `mi_malloc_aligned` takes a block of the size's own class
 /// only while the thread's current page of that class has a free one;
 /// otherwise, for a size that is not a power of two, it over-allocates by
 /// the alignment less one. Today's sizes land in their own class either
@@ -50,6 +53,7 @@ fn alloc<T>() -> NonNull<T> {
             libmimalloc_sys::mi_malloc_aligned(layout.size(), layout.align())
         }
     };
+    debug_assert_eq!(p as usize % layout.align(), 0, "{layout:?}");
     match NonNull::new(p.cast::<T>()) {
         Some(p) => p,
         None => std::alloc::handle_alloc_error(layout),
