@@ -1,5 +1,6 @@
-//! The memory of the graph's nodes and of Var storages: mimalloc's
-//! (`libmimalloc-sys`), whatever the program's global allocator is.
+//! The memory of the graph's nodes (with the chunks of their lists of
+//! dependents) and of Var storages: mimalloc's (`libmimalloc-sys`),
+//! whatever the program's global allocator is.
 //!
 //! Why: the shapes that make a node and a Var per operation and read them
 //! back a level or a round later (`tree`, `random_dag` in
@@ -16,8 +17,9 @@
 //! `Node::fill`) and dropping node references (`docs/per-node-overhead.md`,
 //! "Nodes and Var storages in mimalloc's memory").
 //!
-//! Only these two kinds of block: the rest of the engine's memory (closures,
-//! lists, tensors) stays the global allocator's, which the program chooses.
+//! Only these kinds of block: the rest of the engine's memory (closures,
+//! other lists, tensors) stays the global allocator's, which the program
+//! chooses.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
